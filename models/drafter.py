@@ -1,0 +1,187 @@
+"""What every drafter shares: the two deployment halves, save/load with the target fingerprint, the loss.
+
+A drafter has two halves:
+- the **memory head** (`memory_rows`): the target's activations of verified tokens -> memory rows. It runs where
+  the target runs (the server).
+- the **draft step** (`draft_step`): token ids + positions + its own self-attention cache + memory rows (MoA) or
+  parent features (EAGLE) + a float tree mask -> logits, output features and the grown cache. It runs on the edge.
+
+The token embedding and the LM head are the target's (frozen, shared); checkpoints hold drafter weights only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from models.target import Target, TargetStep
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+SHARED_PREFIXES = ("embed.", "lm_head.")  # the target's own weights: never saved with the drafter
+
+
+class FingerprintMismatch(ValueError):
+    """A drafter was loaded against a target it was not trained for."""
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # (B, n, V)
+    features: torch.Tensor  # (B, n, H): the drafter's estimate of the target's last hidden state
+    keys: torch.Tensor  # (B, h_kv, T+n, d): self-attention cache after this step
+    values: torch.Tensor
+
+
+class Drafter(nn.Module):
+    """Base class of MoA and EAGLE drafters."""
+
+    arch: ClassVar[str]
+    config_class: ClassVar[type]
+    # True when the SA cache entries of accepted draft nodes stay valid after verification (MoA: SA sees tokens
+    # only). False when they must be recomputed from the target's true features (EAGLE).
+    keeps_draft_cache: ClassVar[bool]
+
+    def __init__(self, config, target: Target):
+        super().__init__()
+        self.config = config
+        self.target_fingerprint = target.fingerprint
+        self.target_name = target.name
+        spec = target.spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.embed.weight = nn.Parameter(target.model.get_input_embeddings().weight.detach().clone(), False)
+        self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    # --- the two halves -------------------------------------------------------------------------------------
+    def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
+        """Target activations of n verified tokens (batched: keys/values (B,L,n,w), hidden (B,n,H)) -> (B,n,R)."""
+        raise NotImplementedError
+
+    def draft_step(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        memory: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        raise NotImplementedError
+
+    def train_forward(
+        self, ids: torch.Tensor, step: TargetStep, positions: torch.Tensor, sa_mask: torch.Tensor,
+        memory_mask: torch.Tensor,
+    ) -> DraftOutput:
+        """The training pass over whole sequences (B, T), with the target's activations of every position."""
+        raise NotImplementedError
+
+    @property
+    def row_width(self) -> int:
+        """Floats per memory row."""
+        raise NotImplementedError
+
+    def cache_shape(self) -> tuple[int, int]:
+        """(h_kv, head_dim) of the self-attention cache."""
+        raise NotImplementedError
+
+    # --- save / load ----------------------------------------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE))
+        meta = {
+            "arch": self.arch,
+            "config": asdict(self.config),
+            "target": self.target_name,
+            "target_fingerprint": self.target_fingerprint,
+            **(extra or {}),
+        }
+        (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def drafter_classes() -> dict[str, type[Drafter]]:
+    from models.eagle import EagleDrafter
+    from models.moa import MoADrafter
+
+    return {"moa": MoADrafter, "eagle": EagleDrafter}
+
+
+def read_drafter_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"no drafter at {path}: {CONFIG_FILE} is missing")
+    return json.loads((path / CONFIG_FILE).read_text())
+
+
+def build_drafter(arch: str, target: Target, **sizes) -> Drafter:
+    """A fresh drafter of `arch` (moa | eagle) sized for `target`; `sizes` override config fields."""
+    classes = drafter_classes()
+    if arch not in classes:
+        raise ValueError(f"unknown drafter architecture {arch!r} (choose from {', '.join(classes)})")
+    cls = classes[arch]
+    config = cls.config_class.for_target(target.spec, **sizes)
+    return cls(config, target).to(target.dtype)
+
+
+def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = True) -> Drafter:
+    """Load a saved drafter for `target`; refuse one trained for another target."""
+    from safetensors.torch import load_file
+
+    from models.defaults import resolve_drafter_path
+
+    path = resolve_drafter_path(path)
+    meta = read_drafter_config(path)
+    if check_fingerprint and meta.get("target_fingerprint") != target.fingerprint:
+        raise FingerprintMismatch(
+            f"drafter {path} was trained for target {meta.get('target')!r} (fingerprint "
+            f"{meta.get('target_fingerprint')}), but the loaded target is {target.name!r} "
+            f"(fingerprint {target.fingerprint})"
+        )
+    cls = drafter_classes()[meta["arch"]]
+    drafter = cls(cls.config_class(**meta["config"]), target).to(device=target.device, dtype=target.dtype)
+    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
+    if missing or unexpected:
+        raise ValueError(f"drafter weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
+    return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def distill_loss(
+    features: torch.Tensor,
+    logits: torch.Tensor,
+    target_hidden: torch.Tensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ce_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SmoothL1(feature, target hidden) + ce_weight * CE against the target's next-token distribution (forward KL).
+
+    All inputs (B, T, .); loss_mask (B, T) marks the positions that count.
+    """
+    m = loss_mask.to(features.dtype)
+    denom = m.sum().clamp(min=1)
+    l1 = (F.smooth_l1_loss(features, target_hidden, reduction="none").mean(-1) * m).sum() / denom
+    p = torch.softmax(target_logits.float(), -1)
+    logq = torch.log_softmax(logits.float(), -1)
+    ce = (-(p * logq).sum(-1) * m).sum() / denom
+    acc = ((logits.argmax(-1) == target_logits.argmax(-1)).to(m.dtype) * m).sum() / denom
+    loss = l1 + ce_weight * ce
+    return loss, {"loss": float(loss), "smooth_l1": float(l1), "ce": float(ce), "top1": float(acc)}

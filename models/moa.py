@@ -1,0 +1,115 @@
+"""The Mixture-of-Attentions drafter (Zimmer et al., ICLR 2025), exactly as DESIGN.md §3 states it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from models.drafter import Drafter, DraftOutput
+from models.layers import CrossAttentionLayer, DecoderLayer, LayerConfig
+from models.target import Target, TargetSpec, TargetStep
+
+
+@dataclass
+class MoAConfig:
+    """Every size of the MoA drafter. `for_target` scales the paper's choices to a target."""
+
+    hidden_size: int
+    vocab_size: int
+    target_layers: int
+    target_kv_width: int  # h_kv * d of the target: one layer's flattened key (or value)
+    head_dim: int
+    sa_heads: int
+    sa_kv_heads: int
+    sa_intermediate: int
+    ca_heads: int
+    ca_kv_heads: int
+    ca_intermediate: int
+    lsa_heads: int
+    lsa_kv_heads: int
+    lsa_intermediate: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    @classmethod
+    def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
+        lsa_width = 2 * spec.kv_width
+        d = spec.head_dim
+        values = dict(
+            hidden_size=spec.hidden_size,
+            vocab_size=spec.vocab_size,
+            target_layers=spec.n_layers,
+            target_kv_width=spec.kv_width,
+            head_dim=d,
+            sa_heads=spec.n_heads,
+            sa_kv_heads=max(1, min(4, spec.n_kv_heads)),
+            sa_intermediate=spec.intermediate_size,
+            ca_heads=spec.n_heads,
+            ca_kv_heads=max(1, min(4, spec.n_kv_heads)),
+            ca_intermediate=spec.intermediate_size,
+            lsa_heads=max(1, lsa_width // d),
+            lsa_kv_heads=max(1, min(8, lsa_width // d) // 2 or 1),
+            lsa_intermediate=2 * lsa_width,
+            rope_theta=spec.rope_theta,
+            rms_norm_eps=spec.rms_norm_eps,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def sa(self) -> LayerConfig:
+        return LayerConfig(self.hidden_size, self.sa_heads, self.sa_kv_heads, self.head_dim, self.sa_intermediate,
+                           self.rope_theta, self.rms_norm_eps)
+
+    def ca(self) -> LayerConfig:
+        return LayerConfig(self.hidden_size, self.ca_heads, self.ca_kv_heads, self.head_dim, self.ca_intermediate,
+                           self.rope_theta, self.rms_norm_eps)
+
+    def lsa(self) -> LayerConfig:
+        width = 2 * self.target_kv_width
+        return LayerConfig(width, self.lsa_heads, self.lsa_kv_heads, width // self.lsa_heads,
+                           self.lsa_intermediate, self.rope_theta, self.rms_norm_eps)
+
+
+class MoADrafter(Drafter):
+    arch = "moa"
+    config_class = MoAConfig
+    keeps_draft_cache = True
+
+    def __init__(self, config: MoAConfig, target: Target):
+        super().__init__(config, target)
+        self.lsa = DecoderLayer(config.lsa())
+        self.lsa_proj = nn.Linear(2 * config.target_kv_width, config.hidden_size, bias=False)
+        self.sa = DecoderLayer(config.sa())
+        self.ca = CrossAttentionLayer(config.ca())
+
+    @property
+    def row_width(self) -> int:
+        return self.ca.row_width
+
+    def cache_shape(self) -> tuple[int, int]:
+        return self.config.sa_kv_heads, self.config.head_dim
+
+    def layer_summary(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """LSA: per token, a decoder layer over the L per-layer [key; value] vectors, mean, Linear -> m (B,n,H)."""
+        b, L, n, w = keys.shape
+        z = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(b * n, L, 2 * w)
+        layer_pos = torch.arange(L, device=z.device).expand(b * n, L)
+        z, _, _ = self.lsa(z, layer_pos, None)
+        return self.lsa_proj(z.mean(dim=1)).view(b, n, -1)
+
+    def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
+        keys, values = step.keys.to(self.lsa_proj.weight.dtype), step.values.to(self.lsa_proj.weight.dtype)
+        return self.ca.memory(self.layer_summary(keys, values), positions)
+
+    def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None):
+        x = self.embed(ids)
+        x, k, v = self.sa(x, positions, mask, past_k, past_v)
+        x = self.ca(x, positions, memory, memory_mask)
+        return DraftOutput(self.lm_head(x), x, k, v)
+
+    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask) -> DraftOutput:
+        """Whole sequences in one pass: memory rows of every position, CA limited by `memory_mask` (sync points)."""
+        memory = self.memory_rows(step, positions)
+        return self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask)

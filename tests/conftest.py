@@ -1,0 +1,27 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    import torch
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from models.tiny import tiny_target
+
+    return tiny_target()
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    """The real default target (SmolLM2-135M-Instruct), loaded once per test session."""
+    from models.target import load_target
+
+    return load_target("default")

@@ -1,0 +1,155 @@
+"""MoA and EAGLE drafters on a tiny random float64 target: the properties DESIGN.md §3 promises."""
+
+import pytest
+import torch
+
+from models.drafter import FingerprintMismatch, build_drafter, load_drafter
+from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
+from models.target import causal_mask, tree_attention_mask
+
+T = 24
+
+
+def sequence(tiny, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, tiny.spec.vocab_size, (1, T), generator=g)
+    resp = torch.zeros(1, T, dtype=torch.bool)
+    resp[0, 8:] = True
+    step = tiny.full_forward(ids)
+    last = last_sync_points(resp, 3, 5, g)
+    return ids, step, last, resp
+
+
+def masks(last, restrict=False):
+    lengths = torch.tensor([T])
+    return (self_attention_mask(last, lengths, torch.tensor([restrict]), torch.float64),
+            memory_mask(last, torch.float64))
+
+
+@pytest.fixture(params=["moa", "eagle"])
+def drafter(request, tiny):
+    torch.manual_seed(1)
+    d = build_drafter(request.param, tiny).eval()
+    for name, p in d.named_parameters():  # random, non-trivial weights everywhere
+        if not name.startswith(("embed", "lm_head")):
+            torch.nn.init.normal_(p, std=0.3)
+    return d
+
+
+def positions():
+    return torch.arange(T).view(1, T)
+
+
+def test_sync_points_follow_the_response(tiny):
+    ids, step, last, resp = sequence(tiny)
+    last = last[0].tolist()
+    for i in range(1, 9):  # prompt: every position is a sync point
+        assert last[i] == i - 1
+    gaps = [b - a for a, b in zip(sorted(set(last[9:])), sorted(set(last[9:]))[1:])]
+    assert gaps and all(3 <= g <= 5 for g in gaps[1:] or gaps)
+    assert all(last[i] < i for i in range(T))
+    lp = loss_positions(resp, torch.tensor([last]))
+    assert not lp[0, :8].any() and lp[0, 8:-1].all() and not lp[0, -1]
+
+
+def test_ca_ignores_memory_after_the_sync_point(tiny, drafter):
+    if drafter.arch != "moa":
+        pytest.skip("EAGLE has no cross-attention")
+    ids, step, last, _ = sequence(tiny)
+    sa, mm = masks(last)
+    mem = drafter.memory_rows(step, positions())
+    base = drafter.draft_step(ids, positions(), None, None, sa, memory=mem, memory_mask=mm).logits
+    i = 15
+    s = int(last[0, i])
+    perturbed = mem.clone()
+    perturbed[0, s + 1 :] += torch.randn_like(perturbed[0, s + 1 :])
+    out = drafter.draft_step(ids, positions(), None, None, sa, memory=perturbed, memory_mask=mm).logits
+    assert torch.allclose(out[0, : i + 1][last[0, : i + 1] <= s], base[0, : i + 1][last[0, : i + 1] <= s])
+    assert torch.allclose(out[0, i], base[0, i])
+    perturbed = mem.clone()
+    perturbed[0, s] += 1.0
+    out = drafter.draft_step(ids, positions(), None, None, sa, memory=perturbed, memory_mask=mm).logits
+    assert not torch.allclose(out[0, i], base[0, i])
+
+
+def test_self_attention_is_causal_and_tree_masked(tiny, drafter):
+    ids, step, last, _ = sequence(tiny)
+    mem = drafter.memory_rows(step, positions())
+    feats = step.hidden
+    run = lambda x, mask: drafter.draft_step(x, positions(), None, None, mask.view(1, 1, T, T), memory=mem,
+                                             features=feats).logits[0]
+    base = run(ids, causal_mask(T, torch.float64))
+    changed = ids.clone()
+    changed[0, 10] = (changed[0, 10] + 1 - 3) % (tiny.spec.vocab_size - 3) + 3
+    out = run(changed, causal_mask(T, torch.float64))
+    assert torch.allclose(out[:10], base[:10]) and not torch.allclose(out[10], base[10])
+    # a tree over the last 6 positions: two branches of 3 from position 17
+    parents = list(range(-1, 17)) + [17, 18, 19, 17, 21, 22]
+    tree = tree_attention_mask(parents, torch.float64)
+    base = run(ids, tree)
+    changed = ids.clone()
+    changed[0, 18] = 3 if changed[0, 18] != 3 else 4  # first branch: must not reach the second
+    out = run(changed, tree)
+    assert torch.allclose(out[21:], base[21:]) and not torch.allclose(out[19], base[19])
+
+
+def test_training_forward_equals_token_by_token_drafting(tiny, drafter):
+    ids, step, last, _ = sequence(tiny, seed=3)
+    sa, mm = masks(last)
+    train = drafter.train_forward(ids, step, positions(), sa, mm).logits[0]
+    mem = drafter.memory_rows(step, positions())
+    hk, d = drafter.cache_shape()
+    k = torch.zeros(1, hk, 0, d, dtype=torch.float64)
+    v = torch.zeros_like(k)
+    for i in range(1, T):
+        s = int(last[0, i])
+        feat = step.hidden[:, i - 1 : i]
+        pos = torch.tensor([[i]])
+        # the cache holds tokens 0..i-1, processed earlier; drafting step i uses memory frozen at s
+        if i == 1:
+            first = drafter.draft_step(ids[:, :1], torch.tensor([[0]]), k, v, None, memory=mem[:, :1],
+                                       features=torch.zeros_like(step.hidden[:, :1]))
+            k, v = first.keys, first.values
+        out = drafter.draft_step(ids[:, i : i + 1], pos, k, v, None, memory=mem[:, : s + 1], features=feat)
+        k, v = out.keys, out.values
+        assert torch.allclose(out.logits[0, 0], train[i], atol=1e-9), f"position {i}"
+
+
+def test_curriculum_restricts_self_attention(tiny):
+    ids, step, last, _ = sequence(tiny)
+    sa = self_attention_mask(last, torch.tensor([T]), torch.tensor([True]), torch.float64)[0, 0]
+    for i in range(T):
+        visible = (sa[i] == 0).nonzero().flatten().tolist()
+        assert visible == list(range(int(last[0, i]) + 1, i + 1))
+
+
+def test_memory_head_is_incremental(tiny, drafter):
+    ids, step, _, _ = sequence(tiny)
+    whole = drafter.memory_rows(step, positions())
+    runner = tiny.new_runner()
+    parts = []
+    for a, b in [(0, 5), (5, 6), (6, 17), (17, T)]:
+        s = runner.forward(ids[0, a:b])
+        batched = type(s)(None, s.hidden[None], s.keys[None], s.values[None])
+        parts.append(drafter.memory_rows(batched, torch.arange(a, b).view(1, -1)))
+    assert torch.allclose(torch.cat(parts, dim=1), whole, atol=1e-9)
+
+
+def test_save_load_round_trip_and_fingerprint(tmp_path, tiny, drafter):
+    from models.tiny import tiny_target
+
+    drafter.save_pretrained(tmp_path / "d", dtype=torch.float64)
+    loaded = load_drafter(tmp_path / "d", tiny)
+    assert loaded.arch == drafter.arch
+    for (n1, p1), (n2, p2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    other = tiny_target(seed=5)
+    with pytest.raises(FingerprintMismatch, match="trained for target"):
+        load_drafter(tmp_path / "d", other)
+
+
+def test_unknown_drafter_errors(tiny, tmp_path):
+    with pytest.raises(ValueError, match="unknown drafter architecture"):
+        build_drafter("medusa", tiny)
+    with pytest.raises(FileNotFoundError, match="unknown drafter"):
+        load_drafter(tmp_path / "nope", tiny)
