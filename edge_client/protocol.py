@@ -1,0 +1,374 @@
+"""Wire codec for the edge <-> verify-server protocol (spec: docs/protocol.md).
+
+Imports only the standard library and numpy: the edge client must never pull in torch.
+
+A frame is one binary websocket message:
+    b"MOA1" | uint32 LE header length | UTF-8 JSON header | little-endian tensor payloads
+The header is {"type", "v", "fields", "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]},
+offsets relative to the payload start; the table covers the payload exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Union
+
+import numpy as np
+
+MAGIC = b"MOA1"
+PROTOCOL_VERSION = 1
+DTYPES = ("int32", "int64", "float16", "float32", "int8", "uint8")
+ROW_DTYPES = ("fp16", "int8")
+_PREFIX = struct.Struct("<4sI")
+_ALIGN = 8  # the payload starts 8-aligned in the frame and tensors go largest itemsize first
+
+# Message types, client -> server.
+HELLO, PREFILL, VERIFY, RESUME = "hello", "prefill", "verify", "resume"
+GENERATE, CLOSE, PING = "generate", "close", "ping"
+CLIENT_TYPES = (HELLO, PREFILL, VERIFY, RESUME, GENERATE, CLOSE, PING)
+# Message types, server -> client.
+WELCOME, PREFILLED, VERIFIED, RESUMED = "welcome", "prefilled", "verified", "resumed"
+TOKEN, DONE, ERROR, PONG = "token", "done", "error", "pong"
+SERVER_TYPES = (WELCOME, PREFILLED, VERIFIED, RESUMED, TOKEN, DONE, ERROR, PONG)
+MESSAGE_TYPES = CLIENT_TYPES + SERVER_TYPES
+
+# Error codes (the "code" field of an error message, and ProtocolError.code).
+E_MALFORMED = "malformed"
+E_VERSION = "version"
+E_FINGERPRINT = "fingerprint"
+E_UNKNOWN_TYPE = "unknown_type"
+E_BAD_REQUEST = "bad_request"
+E_OUT_OF_VOCAB = "out_of_vocab"
+E_BAD_TREE = "bad_tree"
+E_LIMIT = "limit"
+E_TENSOR_MISMATCH = "tensor_mismatch"
+E_UNKNOWN_SESSION = "unknown_session"
+E_FOREIGN_SESSION = "foreign_session"
+E_AUTH = "auth"
+E_INTERNAL = "internal"
+E_BUSY = "busy"
+ERROR_CODES = (E_MALFORMED, E_VERSION, E_FINGERPRINT, E_UNKNOWN_TYPE, E_BAD_REQUEST, E_OUT_OF_VOCAB, E_BAD_TREE,
+               E_LIMIT, E_TENSOR_MISMATCH, E_UNKNOWN_SESSION, E_FOREIGN_SESSION, E_AUTH, E_INTERNAL, E_BUSY)
+
+
+class ProtocolError(Exception):
+    """A protocol violation; `code` is the error code to send back in an `error` message."""
+
+    code: str = E_INTERNAL
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class MalformedFrame(ProtocolError):
+    """Bad magic, truncated frame, header not a JSON object."""
+
+    code = E_MALFORMED
+
+
+class VersionMismatch(ProtocolError):
+    """The frame's protocol version differs from PROTOCOL_VERSION; `got` is the peer's version."""
+
+    code = E_VERSION
+
+    def __init__(self, got: int) -> None:
+        super().__init__(f"protocol version {got} is not supported: this side speaks version {PROTOCOL_VERSION}")
+        self.got = got
+
+
+class TensorMismatch(ProtocolError):
+    """The tensor table disagrees with the payload (dtype, shape, offset, nbytes)."""
+
+    code = E_TENSOR_MISMATCH
+
+
+class UnknownType(ProtocolError):
+    """The message type is not one of MESSAGE_TYPES."""
+
+    code = E_UNKNOWN_TYPE
+
+
+class BadRequest(ProtocolError):
+    """A message lacks required fields/tensors or has them with the wrong type (see `validate`)."""
+
+    code = E_BAD_REQUEST
+
+
+@dataclass
+class Message:
+    """A decoded frame. Tensors are read-only little-endian views into the frame."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    v: int = PROTOCOL_VERSION
+
+
+# ---- schema -----------------------------------------------------------------------------------------------
+# A field kind is a name in _KINDS or a tuple of allowed strings; a tensor spec is (dtypes, allowed ndims).
+# A trailing "?" marks an optional field/tensor (it may be absent or null).
+FieldKind = Union[str, tuple[str, ...]]
+TensorSpec = tuple[tuple[str, ...], tuple[int, ...]]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int,
+    "number": lambda v: _is_int(v) or isinstance(v, float),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "int[]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+}
+
+_TOKENS: dict[str, TensorSpec] = {"tokens": (("int32",), (1,))}
+_ROWS: dict[str, TensorSpec] = {"rows": (("float16", "int8"), (2,)), "row_scale?": (("float32",), (1,))}
+_SAMPLING: dict[str, FieldKind] = {"temperature": "number", "top_p": "number", "top_k": "int"}
+
+SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
+    HELLO: {"fields": {"fingerprint": "str", "client": "str", "row_dtype": ROW_DTYPES, "auth?": "str"},
+            "tensors": {}},
+    WELCOME: {"fields": {"session_id": "str", "limits": "object", "target": "str", "fingerprint": "str",
+                         "vocab_size": "int", "row_width": "int", "row_dtype": ROW_DTYPES},
+              "tensors": {}},
+    PREFILL: {"fields": {"session_id?": "str", "seq": "int"}, "tensors": _TOKENS},
+    PREFILLED: {"fields": {"seq": "int", "next_token": "int", "length": "int", "timings?": "object"},
+                "tensors": _ROWS},
+    VERIFY: {"fields": {"session_id": "str", "seq": "int", **_SAMPLING},
+             "tensors": {**_TOKENS, "parents": (("int32",), (1,)), "draft_probs": (("float16", "float32"), (1, 2))}},
+    VERIFIED: {"fields": {"seq": "int", "accepted": "int[]", "next_token": "int", "length": "int",
+                          "timings?": "object"},
+               "tensors": _ROWS},
+    RESUME: {"fields": {"session_id": "str", "length": "int", "policy": ("keep", "verify")}, "tensors": _TOKENS},
+    RESUMED: {"fields": {"accepted_upto": "int", "next_token": "int", "length": "int"}, "tensors": _ROWS},
+    GENERATE: {"fields": {"session_id?": "str", "max_new_tokens": "int", **_SAMPLING, "drafter": ("none", "server")},
+               "tensors": _TOKENS},
+    TOKEN: {"fields": {"tokens": "int[]"}, "tensors": {}},
+    DONE: {"fields": {"stats": "object"}, "tensors": {}},
+    CLOSE: {"fields": {"session_id?": "str"}, "tensors": {}},
+    PING: {"fields": {"t?": "number"}, "tensors": {}},
+    PONG: {"fields": {"t?": "number"}, "tensors": {}},
+    ERROR: {"fields": {"code": ERROR_CODES, "message": "str", "seq?": "int", "retry": "bool"}, "tensors": {}},
+}
+
+
+def _kind_ok(value: Any, kind: FieldKind) -> bool:
+    return isinstance(value, str) and value in kind if isinstance(kind, tuple) else _KINDS[kind](value)
+
+
+def validate(msg: Message) -> None:
+    """Check `msg` against SCHEMA; raise BadRequest naming every missing or ill-typed field/tensor."""
+    if msg.type not in SCHEMA:
+        raise UnknownType(f"unknown message type {msg.type!r}")
+    spec = SCHEMA[msg.type]
+    missing: list[str] = []
+    invalid: list[str] = []
+    for key, kind in spec["fields"].items():
+        name = key.rstrip("?")
+        value = msg.fields.get(name)
+        if value is None:
+            if not key.endswith("?"):
+                missing.append(f"field {name!r}")
+        elif not _kind_ok(value, kind):
+            invalid.append(f"field {name!r} (expected {'|'.join(kind) if isinstance(kind, tuple) else kind})")
+    for key, (dtypes, ndims) in spec["tensors"].items():
+        name = key.rstrip("?")
+        arr = msg.tensors.get(name)
+        if arr is None:
+            if not key.endswith("?"):
+                missing.append(f"tensor {name!r}")
+        elif arr.dtype.name not in dtypes or arr.ndim not in ndims:
+            invalid.append(f"tensor {name!r} (got {arr.dtype.name}{list(arr.shape)}, expected "
+                           f"{'|'.join(dtypes)} with ndim {'|'.join(map(str, ndims))})")
+    if missing or invalid:
+        parts = [f"{label} {', '.join(items)}" for label, items in (("missing", missing), ("invalid", invalid))
+                 if items]
+        raise BadRequest(f"{msg.type}: {'; '.join(parts)}")
+
+
+# ---- frames -----------------------------------------------------------------------------------------------
+class _Entry(NamedTuple):
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (np.generic, np.ndarray)):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in the header")
+
+
+def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None) -> bytes:
+    """Build one frame. Field values must be JSON-serialisable (numpy scalars are converted)."""
+    if msg_type not in MESSAGE_TYPES:
+        raise UnknownType(f"unknown message type {msg_type!r}")
+    arrays: list[tuple[str, np.ndarray]] = []
+    for name, arr in (tensors or {}).items():
+        arr = np.asarray(arr)
+        if arr.dtype.name not in DTYPES:
+            raise TensorMismatch(f"tensor {name!r}: dtype {arr.dtype} is not one of {', '.join(DTYPES)}")
+        arrays.append((name, arr.astype(arr.dtype.newbyteorder("<"), copy=False)))
+    arrays.sort(key=lambda item: -item[1].itemsize)  # keeps every tensor aligned to its itemsize
+    table, offset = [], 0
+    for name, arr in arrays:
+        table.append({"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape), "offset": offset,
+                      "nbytes": arr.nbytes})
+        offset += arr.nbytes
+    header = json.dumps({"type": msg_type, "v": PROTOCOL_VERSION, "fields": fields or {}, "tensors": table},
+                        separators=(",", ":"), allow_nan=False, default=_json_default).encode()
+    header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
+    return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *(arr.tobytes() for _, arr in arrays)])
+
+
+def _entry(raw: Any) -> _Entry:
+    """Check one tensor-table entry and its internal consistency."""
+    if not isinstance(raw, dict):
+        raise TensorMismatch(f"tensor table entry is not an object: {str(raw)[:80]}")
+    name, dtype, shape, offset, nbytes = (raw.get(k) for k in ("name", "dtype", "shape", "offset", "nbytes"))
+    if not isinstance(name, str):
+        raise TensorMismatch(f"tensor table entry without a string name: {str(raw)[:80]}")
+    if not (isinstance(dtype, str) and dtype in DTYPES):
+        raise TensorMismatch(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        raise TensorMismatch(f"tensor {name!r}: bad shape {shape!r}")
+    if not (_is_int(offset) and offset >= 0 and _is_int(nbytes) and nbytes >= 0):
+        raise TensorMismatch(f"tensor {name!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
+    dt = np.dtype(dtype).newbyteorder("<")
+    if math.prod(shape) * dt.itemsize != nbytes:
+        raise TensorMismatch(f"tensor {name!r}: shape {shape} of {dtype} needs {math.prod(shape) * dt.itemsize} "
+                             f"bytes, table says {nbytes}")
+    return _Entry(name, dt, tuple(shape), offset, nbytes)
+
+
+def _read_tensors(table: list[Any], payload: memoryview) -> dict[str, np.ndarray]:
+    """Check that `table` tiles `payload` exactly (no gap, overlap or overrun) and return read-only views."""
+    entries = [_entry(raw) for raw in table]
+    if len({e.name for e in entries}) != len(entries):
+        raise TensorMismatch("duplicate tensor names")
+    end = 0
+    for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        if e.offset != end:
+            raise TensorMismatch(f"tensor {e.name!r} at offset {e.offset}, expected {end} "
+                                 "(gap, overlap or out of range)")
+        end += e.nbytes
+    if end > len(payload):
+        raise MalformedFrame(f"truncated payload: the tensor table needs {end} bytes, the frame has {len(payload)}")
+    if end < len(payload):
+        raise TensorMismatch(f"{len(payload) - end} trailing payload bytes not in the tensor table")
+    tensors = {}
+    for e in entries:
+        arr = np.frombuffer(payload[e.offset:e.offset + e.nbytes], dtype=e.dtype).reshape(e.shape)
+        arr.flags.writeable = False
+        tensors[e.name] = arr
+    return tensors
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse one frame; raise MalformedFrame, VersionMismatch, UnknownType or TensorMismatch."""
+    if isinstance(frame, str):
+        raise MalformedFrame("text frame: the protocol uses binary frames")
+    buf = memoryview(frame).cast("B")
+    if len(buf) < _PREFIX.size:
+        raise MalformedFrame(f"truncated frame: {len(buf)} bytes")
+    magic, header_len = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise MalformedFrame(f"bad magic {bytes(magic)!r}")
+    start = _PREFIX.size + header_len
+    if start > len(buf):
+        raise MalformedFrame(f"truncated header: {header_len} bytes announced, {len(buf) - _PREFIX.size} present")
+    try:
+        header = json.loads(bytes(buf[_PREFIX.size:start]).decode("utf-8"), parse_constant=_reject_constant)
+    except ValueError as exc:  # includes JSONDecodeError and UnicodeDecodeError
+        raise MalformedFrame(f"bad header JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise MalformedFrame("header is not a JSON object")
+    v = header.get("v")
+    if not _is_int(v):
+        raise MalformedFrame("header has no integer 'v'")
+    if v != PROTOCOL_VERSION:
+        raise VersionMismatch(v)
+    msg_type = header.get("type")
+    if not isinstance(msg_type, str):
+        raise MalformedFrame("header has no string 'type'")
+    if msg_type not in MESSAGE_TYPES:
+        raise UnknownType(f"unknown message type {msg_type!r}")
+    fields, table = header.get("fields", {}), header.get("tensors", [])
+    if not isinstance(fields, dict) or not isinstance(table, list):
+        raise MalformedFrame("header 'fields' must be an object and 'tensors' a list")
+    return Message(msg_type, fields, _read_tensors(table, buf[start:]), v)
+
+
+def error_frame(code: str, message: str, seq: int | None = None, retry: bool = False) -> bytes:
+    """An `error` frame; `seq` echoes the request's sequence number when known."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}")
+    fields: dict[str, Any] = {"code": code, "message": message, "retry": retry}
+    if seq is not None:
+        fields["seq"] = seq
+    return encode(ERROR, fields)
+
+
+# ---- memory rows ------------------------------------------------------------------------------------------
+def encode_rows(rows: np.ndarray, dtype: str = "fp16") -> dict[str, np.ndarray]:
+    """float32 [n, R] rows -> {"rows": float16} (clipped to the fp16 range) or {"rows": int8, "row_scale": float32 [n]}.
+
+    int8 uses a symmetric per-row scale max|x|/127 (0 for an all-zero row).
+    """
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be [n, R], got shape {rows.shape}")
+    if dtype == "fp16":
+        limit = float(np.finfo(np.float16).max)
+        return {"rows": np.clip(rows, -limit, limit).astype(np.float16)}
+    if dtype == "int8":
+        scale = np.abs(rows).max(axis=1, initial=0.0) / np.float32(127)
+        q = np.divide(rows, scale[:, None], out=np.zeros_like(rows), where=scale[:, None] > 0)
+        return {"rows": np.rint(q).astype(np.int8), "row_scale": scale.astype(np.float32)}
+    raise ValueError(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
+
+
+def decode_rows(tensors: dict[str, np.ndarray]) -> np.ndarray:
+    """Inverse of encode_rows: float32 [n, R]."""
+    rows = tensors.get("rows")
+    if rows is None or rows.ndim != 2:
+        raise TensorMismatch("memory rows must be a 2-D 'rows' tensor")
+    if rows.dtype == np.float16:
+        return rows.astype(np.float32)
+    if rows.dtype == np.int8:
+        scale = tensors.get("row_scale")
+        if scale is None or scale.dtype != np.float32 or scale.shape != rows.shape[:1]:
+            raise TensorMismatch(f"int8 rows [{rows.shape[0]}, R] need a float32 'row_scale' [{rows.shape[0]}]")
+        return rows.astype(np.float32) * scale[:, None]
+    raise TensorMismatch(f"rows dtype {rows.dtype} is not float16 or int8")
+
+
+def row_bytes(row_width: int, dtype: str) -> int:
+    """Payload bytes per token of memory rows: R*2 in fp16, R+4 in int8 (the float32 scale)."""
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
+    return row_width * 2 if dtype == "fp16" else row_width + 4
+
+
+# ---- fingerprints -----------------------------------------------------------------------------------------
+def fingerprint_diff(ours: str, theirs: str) -> list[str]:
+    """Names of the parts that differ between two "name=value;..." fingerprints (["fingerprint"] if not that form)."""
+    try:
+        a, b = (dict(part.split("=", 1) for part in fp.split(";")) for fp in (ours, theirs))
+    except ValueError:
+        return [] if ours == theirs else ["fingerprint"]
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
