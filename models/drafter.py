@@ -76,6 +76,7 @@ class Drafter(nn.Module):
         memory: torch.Tensor | None = None,
         features: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
+        with_logits: bool = True,
     ) -> DraftOutput:
         raise NotImplementedError
 
@@ -83,7 +84,9 @@ class Drafter(nn.Module):
         self, ids: torch.Tensor, step: TargetStep, positions: torch.Tensor, sa_mask: torch.Tensor,
         memory_mask: torch.Tensor,
     ) -> DraftOutput:
-        """The training pass over whole sequences (B, T), with the target's activations of every position."""
+        """The training pass over whole sequences (B, T), with the target's activations of every position.
+
+        Returns features only (logits None): the loss applies the LM head where it needs it."""
         raise NotImplementedError
 
     @property
@@ -161,27 +164,35 @@ def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = Tru
     missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
     if missing or unexpected:
         raise ValueError(f"drafter weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
+    drafter.training_record = meta.get("training")
     return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
 def distill_loss(
     features: torch.Tensor,
-    logits: torch.Tensor,
     target_hidden: torch.Tensor,
-    target_logits: torch.Tensor,
+    lm_head: nn.Module,
     loss_mask: torch.Tensor,
     ce_weight: float = 0.1,
+    ce_fraction: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SmoothL1(feature, target hidden) + ce_weight * CE against the target's next-token distribution (forward KL).
 
-    All inputs (B, T, .); loss_mask (B, T) marks the positions that count.
+    features/target_hidden (B, T, H); loss_mask (B, T) marks the positions that count. The CE term needs the LM
+    head on both sides, the costliest part on CPU: `ce_fraction` < 1 takes it on a random share of positions.
     """
     m = loss_mask.to(features.dtype)
-    denom = m.sum().clamp(min=1)
-    l1 = (F.smooth_l1_loss(features, target_hidden, reduction="none").mean(-1) * m).sum() / denom
+    l1 = (F.smooth_l1_loss(features, target_hidden, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
+    pos = loss_mask.nonzero(as_tuple=True)
+    if ce_fraction < 1.0 and len(pos[0]) > 1:
+        keep = torch.randperm(len(pos[0]), generator=generator)[: max(1, int(len(pos[0]) * ce_fraction))]
+        pos = (pos[0][keep], pos[1][keep])
+    logits = lm_head(features[pos])
+    with torch.no_grad():
+        target_logits = lm_head(target_hidden[pos])
     p = torch.softmax(target_logits.float(), -1)
-    logq = torch.log_softmax(logits.float(), -1)
-    ce = (-(p * logq).sum(-1) * m).sum() / denom
-    acc = ((logits.argmax(-1) == target_logits.argmax(-1)).to(m.dtype) * m).sum() / denom
+    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean() if len(pos[0]) else l1 * 0
+    acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean() if len(pos[0]) else l1 * 0
     loss = l1 + ce_weight * ce
-    return loss, {"loss": float(loss), "smooth_l1": float(l1), "ce": float(ce), "top1": float(acc)}
+    return loss, {"loss": loss.item(), "smooth_l1": l1.item(), "ce": ce.item(), "top1": acc.item()}

@@ -59,11 +59,12 @@ class EagleDrafter(Drafter):
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
         return step.hidden.to(self.fc.weight.dtype)
 
-    def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None):
+    def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
+                   with_logits=True):
         """`features` (B, n, H): for each token x_t, the feature of position t-1 (its parent's)."""
         x = self.fc(torch.cat([features, self.embed(ids)], dim=-1))
         x, k, v = self.layer(x, positions, mask, past_k, past_v)
-        return DraftOutput(self.lm_head(x), x, k, v)
+        return DraftOutput(self.lm_head(x) if with_logits else None, x, k, v)
 
     def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask=None) -> DraftOutput:
         """Teacher forcing on the target's features, shifted by one, with uniform noise while training."""
@@ -71,4 +72,4 @@ class EagleDrafter(Drafter):
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
         if self.training and self.config.feature_noise > 0:
             features = features + (torch.rand_like(features) - 0.5) * self.config.feature_noise
-        return self.draft_step(ids, positions, None, None, sa_mask, features=features)
+        return self.draft_step(ids, positions, None, None, sa_mask, features=features, with_logits=False)

@@ -4,6 +4,7 @@ For sync points s inside held-out responses, the drafter is fed the true tokens 
 memory frozen at s, exactly as it drafts a chain at run time (EAGLE feeds its own predicted features back). At
 depth d we compare its top-1 token with the target's greedy token at s+d. The expected chain acceptance length
 (bonus token included) is 1 + sum_d prod_{j<=d} a_j; `tau_measured` is 1 + the mean run of leading matches.
+Top-w agreement (the target's token among the drafter's w best) feeds the tree cost model.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def chain_agreement(
 ) -> dict:
     was_training = drafter.training
     drafter.eval()
-    hits = torch.zeros(depth)
+    widths = (1, 2, 4, 8)
+    hits = torch.zeros(len(widths), depth)  # target's greedy token within the drafter's top-w, per depth
     total = 0
     runs: list[int] = []
     for sample in samples:
@@ -49,20 +51,28 @@ def chain_agreement(
                 out = drafter.draft_step(ids[:, i : i + 1], positions[:, i : i + 1], k, v, None,
                                          memory=memory[:, : s + 1], features=feat)
                 k, v, feat = out.keys, out.values, out.features
-                ok = bool(out.logits[0, -1].argmax() == greedy[i])
-                hits[d - 1] += ok
+                ranked = out.logits[0, -1].topk(max(widths)).indices
+                for w_i, w in enumerate(widths):
+                    hits[w_i, d - 1] += bool((ranked[:w] == greedy[i]).any())
+                ok = bool(ranked[0] == greedy[i])
                 leading = leading and ok
                 run += leading
             runs.append(run)
             total += 1
     drafter.train(was_training)
-    agree = (hits / max(total, 1)).tolist()
+    rates = (hits / max(total, 1)).tolist()
+    return {"depth_agreement": rates[0], "expected_tau": expected_tau(rates[0]),
+            "tau_measured": 1 + sum(runs) / max(len(runs), 1), "sync_points": total,
+            "depth_agreement_topk": {str(w): r for w, r in zip(widths, rates)}}
+
+
+def expected_tau(agreement: list[float]) -> float:
+    """Expected tokens per target forward of a chain with these per-depth acceptance rates (bonus included)."""
     tau, prod = 1.0, 1.0
-    for a in agree:
+    for a in agreement:
         prod *= a
         tau += prod
-    return {"depth_agreement": agree, "expected_tau": tau,
-            "tau_measured": 1 + sum(runs) / max(len(runs), 1), "sync_points": total}
+    return tau
 
 
 def _shift(hidden: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,15 @@ class MoADrafter(Drafter):
         keys, values = step.keys.to(self.lsa_proj.weight.dtype), step.values.to(self.lsa_proj.weight.dtype)
         return self.ca.memory(self.layer_summary(keys, values), positions)
 
-    def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None):
+    def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
+                   with_logits=True):
         x = self.embed(ids)
         x, k, v = self.sa(x, positions, mask, past_k, past_v)
         x = self.ca(x, positions, memory, memory_mask)
-        return DraftOutput(self.lm_head(x), x, k, v)
+        return DraftOutput(self.lm_head(x) if with_logits else None, x, k, v)
 
     def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask) -> DraftOutput:
         """Whole sequences in one pass: memory rows of every position, CA limited by `memory_mask` (sync points)."""
         memory = self.memory_rows(step, positions)
-        return self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask)
+        return self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask,
+                               with_logits=False)

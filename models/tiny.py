@@ -19,7 +19,7 @@ def tiny_tokenizer(vocab_size: int = 96):
 
     specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
     chars = list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!\n'")
-    vocab = {t: i for i, t in enumerate(specials + chars)}
+    vocab = {t: i for i, t in enumerate((specials + chars)[:vocab_size])}
     for i in range(len(vocab), vocab_size):
         vocab[f"<t{i}>"] = i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -53,6 +53,7 @@ class TrainConfig:
     max_minutes: float | None = None
     max_tokens: int | None = None
     ce_weight: float = 0.1
+    ce_fraction: float = 0.25
     eval_every: int = 200
     eval_samples: int = 8
     save_every: int = 100
@@ -85,6 +86,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "max_minutes": "stop after this much wall time (counted across resumes)",
         "max_tokens": "stop after this many (non-padding) tokens seen",
         "ce_weight": "weight of the cross-entropy term next to SmoothL1 on features",
+        "ce_fraction": "share of loss positions that get the CE term (the LM head dominates CPU cost)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "save_every": "checkpoint every N steps",
@@ -146,7 +148,6 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     pad = (torch.arange(t).view(1, t) < lengths.view(b, 1)).long()
     with torch.no_grad():
         full = target.full_forward(ids, attention_mask=pad)
-        target_logits = target.lm_head(full.hidden)
     last = last_sync_points(resp, cfg.sync_min, cfg.sync_max, g)
     restrict = torch.rand(b, generator=g) < restrict_share
     dtype = full.hidden.dtype
@@ -154,7 +155,8 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
                                 memory_mask(last, dtype))
     lmask = loss_positions(resp, last) & pad.bool()
-    return distill_loss(out.features, out.logits, full.hidden, target_logits, lmask, cfg.ce_weight), int(pad.sum())
+    loss = distill_loss(out.features, full.hidden, drafter.lm_head, lmask, cfg.ce_weight, cfg.ce_fraction, g)
+    return loss, int(pad.sum())
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:

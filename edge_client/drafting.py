@@ -1,0 +1,161 @@
+"""The drafter's side of speculative decoding, in numpy: one `DraftSession` per sequence, shared by the PyTorch
+engine and the ONNX Runtime edge so that both draft exactly the same trees.
+
+The session owns the drafter's self-attention cache (slots 0..T-1 hold verified tokens, in position order) and
+the memory rows of verified tokens. A round: `draft(root)` runs the pending verified tokens and the root through
+the drafter, grows the tree (tree-node entries go to extra cache slots), and `accept(...)` keeps what the target
+verified. MoA keeps the cache entries of accepted draft nodes (its SA sees tokens only); EAGLE recomputes them
+from the target's true features. Offline, `next_token()` drafts one token at a time with the memory frozen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from edge_client.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
+
+NEG_INF = np.float32(-np.inf)
+
+
+class DraftStep(Protocol):
+    """One drafter call (torch or ONNX Runtime), numpy in and out, batch size 1.
+
+    ids/positions int64 (n,); past_k/past_v (h_kv, T, d); mask float32 (n, T+n) additive; memory (M, R) for MoA;
+    features (n, H) for EAGLE. Returns logits (n, V), features (n, H), keys (h_kv, T+n, d), values.
+    """
+
+    arch: str
+    keeps_draft_cache: bool
+    cache_shape: tuple[int, int]
+
+    def __call__(self, ids, positions, past_k, past_v, mask, memory, features) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+@dataclass
+class DraftStats:
+    drafter_calls: int = 0
+    drafted_tokens: int = 0
+
+
+class DraftSession:
+    def __init__(self, step: DraftStep, candidates: int = 16):
+        self.step = step
+        self.candidates = candidates  # K: top-K of the draft distribution kept per expanded node
+        h, d = step.cache_shape
+        self.k = np.zeros((h, 0, d), dtype=np.float32)
+        self.v = np.zeros((h, 0, d), dtype=np.float32)
+        self.memory: np.ndarray | None = None  # (M, R): one row per verified token
+        self.tokens: list[int] = []  # verified tokens (the transcript the drafter has seen)
+        self.stats = DraftStats()
+        self._verified_slots = 0  # cache slots 0.._verified_slots-1 hold transcript tokens
+        self._tree_slots: dict[int, int] = {}
+        self._tree_features: dict[int, np.ndarray] = {}
+        self._root_feature: np.ndarray | None = None
+
+    def add_verified(self, tokens: list[int], rows: np.ndarray) -> None:
+        """Tokens the target has verified, with their memory rows (one per token)."""
+        rows = np.asarray(rows, dtype=np.float32)
+        if len(tokens) != len(rows):
+            raise ValueError(f"{len(tokens)} tokens but {len(rows)} memory rows")
+        self.tokens.extend(int(t) for t in tokens)
+        self.memory = rows if self.memory is None else np.concatenate([self.memory, rows])
+
+    def _features_for(self, positions: np.ndarray) -> np.ndarray | None:
+        """EAGLE's input feature of the token at position i is the target's feature of i-1 (a memory row)."""
+        if self.step.arch != "eagle":
+            return None
+        return self.memory[positions - 1]
+
+    def _run(self, ids, positions, mask, features):
+        logits, feats, k, v = self.step(np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                                        self.k, self.v, mask.astype(np.float32), self.memory, features)
+        self.k, self.v = k, v
+        self.stats.drafter_calls += 1
+        return logits, feats
+
+    def _prime(self, root: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run the verified tokens without a cache entry, then the root; return the root's logits and feature."""
+        start = self._verified_slots
+        ids = self.tokens[start:] + [root]
+        n = len(ids)
+        positions = np.arange(start, start + n)
+        mask = np.zeros((n, start + n), dtype=np.float32)
+        mask[:, start:] = np.triu(np.full((n, n), NEG_INF, dtype=np.float32), 1)
+        logits, feats = self._run(ids, positions, mask, self._features_for(positions))
+        return logits[-1:], feats[-1:]
+
+    def draft(self, root: int, cfg: TreeConfig, temperature: float = 0.0,
+              rng: np.random.Generator | None = None) -> DraftTree:
+        """Draft a tree below `root` (the target's next token, at position len(tokens))."""
+        base = len(self.tokens)  # the root's position
+        self._tree_slots, self._tree_features = {}, {}
+
+        def expand(nodes, tokens, parents, depths):
+            if nodes == [ROOT]:
+                logits, feats = self._prime(root)
+                self._root_feature = feats[0]
+            else:
+                logits, feats = self._expand_nodes(nodes, tokens, parents, depths, base)
+            for node, f in zip(nodes, feats):
+                self._tree_features[node] = f
+            self.stats.drafted_tokens += len(nodes)
+            return topk_logprobs(logits, self.candidates, temperature)
+
+        return build_tree(expand, cfg, sample=temperature > 0, rng=rng)
+
+    def _expand_nodes(self, nodes, tokens, parents, depths, base):
+        start = self.k.shape[1]
+        n = len(nodes)
+        mask = np.full((n, start + n), NEG_INF, dtype=np.float32)
+        mask[:, : base + 1] = 0.0  # verified tokens and the root
+        for row, node in enumerate(nodes):
+            a = parents[node]
+            while a != ROOT:
+                mask[row, self._tree_slots[a]] = 0.0
+                a = parents[a]
+            mask[row, start + row] = 0.0
+            self._tree_slots[node] = start + row
+        features = None
+        if self.step.arch == "eagle":
+            features = np.stack([self._tree_features[parents[i]] if parents[i] != ROOT else self._root_feature
+                                 for i in nodes])
+        positions = np.array([base + depths[i] for i in nodes])
+        return self._run([tokens[i] for i in nodes], positions, mask, features)
+
+    def accept(self, tree: DraftTree, root: int, path: list[int], rows: np.ndarray) -> None:
+        """The target verified root + tree nodes `path`: keep their cache entries (MoA) and add memory rows."""
+        base = len(self.tokens)
+        keep = list(range(base + 1))  # verified slots and the root's
+        if self.step.keeps_draft_cache:
+            for node in path:
+                slot = self._tree_slots.get(int(tree.origin[node]))
+                if slot is None:
+                    break
+                keep.append(slot)
+        self._keep(keep)
+        self.add_verified([root] + [int(tree.tokens[i]) for i in path], rows)
+
+    def _keep(self, slots: list[int]) -> None:
+        self.k = self.k[:, slots]
+        self.v = self.v[:, slots]
+        self._verified_slots = len(slots)
+
+    def next_token(self, root: int, temperature: float = 0.0, rng: np.random.Generator | None = None) -> int:
+        """Offline: the drafter's own next token after `root`, which joins the transcript unverified.
+
+        MoA's memory stays frozen; EAGLE's own predicted feature stands in for the target's (its next input).
+        """
+        logits, feats = self._prime(root)
+        self._verified_slots = self.k.shape[1]
+        self.tokens.append(root)
+        if self.step.arch == "eagle":
+            self.memory = np.concatenate([self.memory, feats])
+        if temperature <= 0:
+            return int(np.argmax(logits[-1]))
+        ids, logq = topk_logprobs(logits, self.candidates, temperature)
+        p = np.exp(logq[0] - logq[0].max())
+        return int(rng.choice(ids[0], p=p / p.sum()))

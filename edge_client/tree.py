@@ -1,0 +1,179 @@
+"""EAGLE-2 dynamic draft trees, in numpy so that the PyTorch engine and the ONNX Runtime edge build the very
+same tree from the same drafter outputs (DESIGN.md §5).
+
+From the root (the target's next token) the tree grows `depth` times: the `topk` frontier nodes with the best
+cumulative log-probability are run through the drafter in one call, each proposes `topk` children; at the end
+all nodes are reranked and the best `total_tokens` kept (a child never scores above its parent, so the kept
+set is a subtree). Greedy decoding takes each node's top-k children; sampling draws them without replacement
+from the drafter's (top-K truncated) distribution q, and the verifier needs q: `DraftTree.q_ids/q_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+ROOT = -1
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    depth: int = 5
+    topk: int = 4
+    total_tokens: int = 24
+
+    def __post_init__(self):
+        if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
+            raise ValueError(f"bad tree budget {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeConfig":
+        """'depth,topk,total' (a chain is 'd,1,d')."""
+        try:
+            depth, topk, total = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"--tree takes 'auto' or 'depth,topk,total_tokens', got {text!r}") from None
+        return cls(depth, topk, total)
+
+    def __str__(self) -> str:
+        return f"{self.depth},{self.topk},{self.total_tokens}"
+
+
+@dataclass
+class DraftTree:
+    """The nodes below the root, parents first. parents[i] == -1 means the root."""
+
+    tokens: np.ndarray  # int64 (n,)
+    parents: np.ndarray  # int64 (n,)
+    depths: np.ndarray  # int64 (n,), 1 for the root's children
+    q_ids: np.ndarray  # int64 (n+1, K): candidates of the draft distribution at the root (row 0) and each node
+    q_probs: np.ndarray  # float32 (n+1, K): q over those candidates (renormalised), 0 where unused
+    origin: np.ndarray | None = None  # int64 (n,): each node's index in the drafting pool (drafter cache slots)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = root) in the order they were drawn."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+
+class Expand(Protocol):
+    def __call__(self, nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> tuple[
+        np.ndarray, np.ndarray]:
+        """Run the drafter on pool `nodes` (ROOT for the root); return top-K ids and log-probs per node."""
+
+
+def gumbel_order(logq: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k indices drawn without replacement from softmax(logq) (Gumbel-top-k)."""
+    keys = logq + rng.gumbel(size=logq.shape).astype(np.float32)
+    return np.argsort(-keys, kind="stable")[:k]
+
+
+def build_tree(expand: Expand, cfg: TreeConfig, sample: bool = False,
+               rng: np.random.Generator | None = None) -> DraftTree:
+    """Grow the tree by calling `expand` depth times; see the module docstring."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    cand: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # node -> (ids, log q) it was expanded with
+    frontier = [ROOT]
+    frontier_scores = [0.0]
+    for depth in range(1, cfg.depth + 1):
+        ids, logq = expand(frontier, tokens, parents, depths)
+        proposals = []  # (score, parent, token)
+        for row, node in enumerate(frontier):
+            cand[node] = (ids[row], logq[row])
+            valid = np.isfinite(logq[row])
+            k = min(cfg.topk, int(valid.sum()))
+            if sample:
+                order = gumbel_order(np.where(valid, logq[row], NEG_INF), k, rng)
+            else:
+                order = np.argsort(-logq[row], kind="stable")[:k]
+            last = np.inf
+            for j in order:
+                # scores never rise along a sibling order, so any rerank keeps a prefix of the drawn children
+                last = min(last, frontier_scores[row] + float(logq[row][j]))
+                proposals.append((last, node, int(ids[row][j])))
+        first_new = len(tokens)
+        for score, parent, token in proposals:
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            scores.append(score)
+        if depth == cfg.depth:
+            break
+        new = range(first_new, len(tokens))
+        best = sorted(new, key=lambda i: -scores[i])[: cfg.topk]
+        frontier = sorted(best)
+        frontier_scores = [scores[i] for i in frontier]
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: -scores[i])[: cfg.total_tokens])
+    return _subtree(keep, tokens, parents, depths, cand)
+
+
+def _subtree(keep, tokens, parents, depths, cand) -> DraftTree:
+    index = {old: new for new, old in enumerate(keep)}
+    index[ROOT] = ROOT
+    width = max((len(c[0]) for c in cand.values()), default=1)
+    q_ids = np.zeros((len(keep) + 1, width), dtype=np.int64)
+    q_probs = np.zeros((len(keep) + 1, width), dtype=np.float32)
+    for old in [ROOT] + keep:
+        if old in cand:
+            ids, logq = cand[old]
+            p = np.exp(logq - logq.max())
+            row = index[old] + 1
+            q_ids[row, : len(ids)] = ids
+            q_probs[row, : len(ids)] = p / p.sum()
+    return DraftTree(
+        tokens=np.array([tokens[i] for i in keep], dtype=np.int64),
+        parents=np.array([index[parents[i]] for i in keep], dtype=np.int64),
+        depths=np.array([depths[i] for i in keep], dtype=np.int64),
+        q_ids=q_ids,
+        q_probs=q_probs,
+        origin=np.array(keep, dtype=np.int64),
+    )
+
+
+def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
+    """bool (n, n): [i, j] is True when j is i itself or an ancestor of i (parents precede children)."""
+    n = len(parents)
+    vis = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: a parent must precede its child")
+        if p >= 0:
+            vis[i] = vis[p]
+        vis[i, i] = True
+    return vis
+
+
+def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Temperature, top-k and top-p on the last axis; filtered entries become -inf. Returns log-probs."""
+    x = logits.astype(np.float64) / max(temperature, 1e-6)
+    if top_k and top_k < x.shape[-1]:
+        kth = np.partition(x, -top_k, axis=-1)[..., -top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    if top_p < 1.0:
+        order = np.argsort(-logp, axis=-1)
+        sorted_p = np.exp(np.take_along_axis(logp, order, -1))
+        drop_sorted = np.cumsum(sorted_p, -1) - sorted_p >= top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, -1)
+        logp = np.where(drop, -np.inf, logp)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    return logp.astype(np.float32)
+
+
+def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(m, V) logits -> top-k ids and log-probs (full-softmax normalised) per row, best first."""
+    logp = process_logits(logits, temperature if temperature > 0 else 1.0)
+    ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(logp, ids, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, -1).astype(np.int64), np.take_along_axis(vals, order, -1)

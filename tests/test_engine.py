@@ -1,0 +1,156 @@
+"""Single-device engine on tiny float64 targets: lossless greedy, lossless sampling, tree masks."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.drafting import DraftSession
+from edge_client.tree import TreeConfig, ancestor_matrix, build_tree
+from models.engine import SpeculativeEngine, TorchDraftStep
+from models.verify import Sampling, target_probs, tree_mask_and_positions, verify_tree
+from tests.helpers import greedy_continuations, train_tiny
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny):
+    return {arch: train_tiny(tiny, arch) for arch in ("moa", "eagle")}
+
+
+def test_tree_mask_sees_exactly_the_ancestors():
+    from edge_client.tree import DraftTree
+
+    parents = np.array([-1, -1, 0, 0, 2, 1])
+    depths = np.array([1, 1, 2, 2, 3, 2])
+    tree = DraftTree(np.arange(6), parents, depths, np.zeros((7, 1), np.int64), np.zeros((7, 1), np.float32))
+    mask, pos = tree_mask_and_positions(tree, 10, torch.float64, "cpu")
+    assert pos.tolist() == [10, 11, 11, 12, 12, 13, 12]
+    for i in range(7):
+        seen = {j for j in range(7) if mask[i, j] == 0}
+        expected, node = {0, i}, i - 1
+        while node >= 0:
+            expected.add(node + 1)
+            node = int(parents[node])
+        assert seen == expected, i
+    with pytest.raises(ValueError, match="parent must precede"):
+        ancestor_matrix(np.array([-1, 2, 0]))
+
+
+def test_tree_budget_is_a_subtree():
+    rng = np.random.default_rng(0)
+
+    def expand(nodes, tokens, parents, depths):
+        logits = rng.normal(size=(len(nodes), 10)).astype(np.float32) * 3
+        from edge_client.tree import topk_logprobs
+        return topk_logprobs(logits, 6)
+
+    for cfg in [TreeConfig(5, 1, 5), TreeConfig(4, 3, 9), TreeConfig(6, 4, 20)]:
+        tree = build_tree(expand, cfg)
+        assert len(tree) == min(cfg.total_tokens, len(tree))
+        assert len(tree) <= cfg.total_tokens and tree.depths.max() <= cfg.depth
+        for i, p in enumerate(tree.parents):
+            assert p < i and (p == -1 or tree.depths[p] == tree.depths[i] - 1)
+        if cfg.topk == 1:
+            assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("arch", ["moa", "eagle"])
+@pytest.mark.parametrize("tree", ["5,1,5", "4,2,8", "5,4,16"])
+def test_greedy_is_lossless(tiny, drafters, arch, tree):
+    vanilla = SpeculativeEngine(tiny, None)
+    spec = SpeculativeEngine(tiny, drafters[arch], tree=tree)
+    forwards = [0, 0]
+    for sample in greedy_continuations(tiny, 3, seed=0) + greedy_continuations(tiny, 2, seed=7):
+        prompt = sample.ids[:6]
+        a = vanilla.generate(prompt, max_new_tokens=40)
+        b = spec.generate(prompt, max_new_tokens=40)
+        assert a.token_ids == b.token_ids
+        forwards[0] += a.stats.target_forwards
+        forwards[1] += b.stats.target_forwards
+    assert forwards[1] < 0.6 * forwards[0], forwards  # the drafter really gets paths accepted
+
+
+def test_stop_strings_and_streaming(tiny):
+    engine = SpeculativeEngine(tiny, None)
+    full = engine.generate("hello", max_new_tokens=30)
+    stop = full.text[5:8]
+    chunks = []
+    cut = engine.generate("hello", max_new_tokens=30, stop=[stop], streamer=chunks.append)
+    assert cut.finish_reason == "stop" and stop in cut.text and len(cut.token_ids) < len(full.token_ids)
+    assert full.text.startswith(cut.text.rstrip())
+    assert "".join(chunks).startswith(cut.text[:5])
+
+
+def joint_first_two(tiny, prompt, root, sampling):
+    """The exact target distribution of the two tokens after prompt + root."""
+    runner = tiny.new_runner()
+    runner.forward(prompt + [root])
+    p1 = target_probs(runner.forward([])[0] if False else tiny.new_runner().forward(prompt + [root]).logits[-1],
+                      sampling)
+    v = tiny.spec.vocab_size
+    joint = torch.zeros(v, v, dtype=torch.float64)
+    for t in range(v):
+        if p1[t] > 0:
+            r = tiny.new_runner()
+            joint[t] = p1[t] * target_probs(r.forward(prompt + [root, t]).logits[-1], sampling)
+    return joint
+
+
+def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
+    import models.verify as verify
+
+    step = TorchDraftStep(drafter)
+    pre = tiny.new_runner()
+    rows = step.memory_rows(pre.forward(prompt), list(range(len(prompt))))
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    counts = Counter()
+    original = verify.accept_sampling
+    verify.accept_sampling = lambda *a, **k: original(*a, residual=residual)
+    try:
+        for _ in range(n):
+            runner = tiny.new_runner()
+            runner.forward(prompt)
+            session = DraftSession(step, candidates=tiny.spec.vocab_size)
+            session.add_verified(prompt, rows)
+            tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
+            v = verify_tree(runner, root, tree, sampling, g)
+            seq = v.accepted + [v.next_token]
+            if len(seq) < 2:
+                probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
+                seq.append(int(torch.multinomial(probs, 1, generator=g)))
+            counts[tuple(seq[:2])] += 1
+    finally:
+        verify.accept_sampling = original
+    return counts
+
+
+def chi_square_p(counts, joint, n):
+    from scipy.stats import chisquare
+
+    expected = (joint * n).flatten()
+    observed = torch.zeros_like(expected)
+    v = joint.shape[0]
+    for (a, b), c in counts.items():
+        observed[a * v + b] += c
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=8, top_p=0.9)])
+def test_sampling_keeps_the_target_distribution(sampling):
+    from models.drafter import build_drafter
+    from models.tiny import tiny_target
+
+    tiny = tiny_target(vocab_size=12, seed=3)
+    torch.manual_seed(1)
+    drafter = build_drafter("moa", tiny).eval()  # untrained: q differs from p, so the residual matters
+    prompt, root, n = [3, 5, 7, 4, 9], 6, 4000
+    joint = joint_first_two(tiny, prompt, root, sampling)
+    good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)"), joint, n)
+    broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
+    assert good > 1e-3, good
+    assert broken < 1e-6, broken
