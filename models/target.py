@@ -131,10 +131,10 @@ class Target:
         return list(out)
 
     @torch.no_grad()
-    def full_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetStep | list:
-        """A cache-free forward over a batch (B, T): hidden (B,T,H) and per-layer K/V (B,L,T,h_kv*d).
+    def full_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetStep:
+        """A forward over whole sequences (B, T): hidden (B,T,H) and per-layer K/V (B,L,T,h_kv*d), no logits.
 
-        Used by training, where the whole sequence is known. Returns a TargetStep whose tensors carry a batch dim.
+        Used by training and evaluation, where the whole sequence is known.
         """
         from transformers import DynamicCache
 
