@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -108,19 +108,38 @@ class StopChecker:
         return tokens, None
 
 
+@runtime_checkable
+class Proposer(Protocol):
+    """A training-free drafter (e.g. `models.lookup.PromptLookup`): drafts from the transcript alone."""
+
+    default_tree: TreeConfig  # the budget `tree="auto"` means
+
+    def propose(self, transcript: list[int], cfg: TreeConfig) -> DraftTree:
+        """A draft tree below the root, the transcript's last token."""
+
+
 class SpeculativeEngine:
-    def __init__(self, target: Target, drafter: Drafter | None = None, tree: TreeConfig | str = "auto",
-                 candidates: int = 16):
+    def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
+                 tree: TreeConfig | str = "auto", candidates: int = 16):
+        """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding)."""
+        if drafter == "lookup":
+            from models.lookup import PromptLookup
+
+            drafter = PromptLookup()
         self.target = target
-        self.drafter = drafter
-        self.step = TorchDraftStep(drafter) if drafter is not None else None
+        self.proposer = drafter if isinstance(drafter, Proposer) else None
+        self.drafter = None if self.proposer is not None else drafter
+        self.step = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.candidates = candidates
-        if drafter is not None and drafter.target_fingerprint != target.fingerprint:
+        if self.drafter is not None and self.drafter.target_fingerprint != target.fingerprint:
             raise ValueError("drafter and target fingerprints differ")
         if tree == "auto" and drafter is not None:
-            from models.costmodel import auto_tree
+            if self.proposer is not None:
+                tree = self.proposer.default_tree
+            else:
+                from models.costmodel import auto_tree
 
-            tree = auto_tree(self)
+                tree = auto_tree(self)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
 
     def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
@@ -162,14 +181,14 @@ class SpeculativeEngine:
         printed = 0
         reason = None
         while reason is None:
-            if session is None:
+            if self.tree is None:
                 new, root = self._vanilla_round(runner, root, sampling, g, stats)
             else:
-                new, root = self._speculative_round(runner, session, root, sampling, g, rng, stats)
+                new, root = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats)
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:
-                text = self.target.tokenizer.decode(out)
+                text = self.target.tokenizer.decode(out, skip_special_tokens=True)
                 streamer(text[printed:])
                 printed = len(text)
         stats.new_tokens = len(out)
@@ -185,14 +204,20 @@ class SpeculativeEngine:
         stats.target_forwards += 1
         return [root], sample_token(step.logits[-1], sampling, g)
 
-    def _speculative_round(self, runner, session: DraftSession, root: int, sampling, g, rng, stats):
+    def _speculative_round(self, runner, session: DraftSession | None, context: list[int], root: int, sampling, g,
+                           rng, stats):
+        """Draft (with the drafter's session, or the proposer from `context` + root), verify, keep the path."""
         t = time.perf_counter()
-        tree: DraftTree = session.draft(root, self.tree, sampling.temperature, rng)
+        if session is None:
+            tree: DraftTree = self.proposer.propose(context + [root], self.tree)
+        else:
+            tree = session.draft(root, self.tree, sampling.temperature, rng)
         t1 = time.perf_counter()
         verified = verify_tree(runner, root, tree, sampling, g)
-        base = len(session.tokens)
-        rows = self.step.memory_rows(verified.step, list(range(base, base + 1 + len(verified.path))))
-        session.accept(tree, root, verified.path, rows)
+        if session is not None:
+            base = len(session.tokens)
+            rows = self.step.memory_rows(verified.step, list(range(base, base + 1 + len(verified.path))))
+            session.accept(tree, root, verified.path, rows)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t
         stats.verify_s += t2 - t1

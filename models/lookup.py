@@ -1,0 +1,57 @@
+"""Prompt-lookup decoding: a training-free drafter (Saxena 2023; `prompt_lookup_num_tokens` in Hugging Face).
+
+The last n tokens of the transcript (prompt + generated + the root), n from `max_ngram` down to `min_ngram`, are
+searched for earlier in the transcript; the most recent match proposes the tokens that followed it as a chain.
+The draft distribution q is one-hot on each proposed token, so the rejection rule of `models.verify` accepts a
+token with probability p(x) and stays lossless; greedy decoding accepts it when it is the target's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from edge_client.tree import DraftTree, TreeConfig
+
+
+def find_continuation(transcript: list[int], max_ngram: int, min_ngram: int, num_draft: int) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the longest matching suffix n-gram."""
+    seq = np.asarray(transcript, dtype=np.int64)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        # windows start at 0..len-1-n: each has a following token and none is the suffix itself
+        windows = sliding_window_view(seq[:-1], n)
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start : start + num_draft].tolist()
+    return []
+
+
+def chain_tree(tokens: list[int]) -> DraftTree:
+    """A chain below the root with a one-hot draft distribution at every node."""
+    k = len(tokens)
+    q_ids = np.zeros((k + 1, 1), dtype=np.int64)
+    q_probs = np.zeros((k + 1, 1), dtype=np.float32)
+    q_ids[:k, 0] = tokens  # row 0 (the root) proposes tokens[0], row i proposes tokens[i]; the last row none
+    q_probs[:k, 0] = 1.0
+    return DraftTree(
+        tokens=np.asarray(tokens, dtype=np.int64).reshape(k),
+        parents=np.arange(-1, k - 1, dtype=np.int64),
+        depths=np.arange(1, k + 1, dtype=np.int64),
+        q_ids=q_ids,
+        q_probs=q_probs,
+    )
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    """The engine's `Proposer` for prompt lookup; the tree budget's depth is the number of drafted tokens."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    default_tree: TreeConfig = TreeConfig(6, 1, 6)
+
+    def propose(self, transcript: list[int], cfg: TreeConfig) -> DraftTree:
+        return chain_tree(find_continuation(transcript, self.max_ngram, self.min_ngram, cfg.depth))
