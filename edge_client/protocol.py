@@ -18,6 +18,8 @@ from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
+from edge_client.tree import DraftTree
+
 MAGIC = b"MOA1"
 PROTOCOL_VERSION = 1
 DTYPES = ("int32", "int64", "float16", "float32", "int8", "uint8")
@@ -132,6 +134,9 @@ _KINDS: dict[str, Callable[[Any], bool]] = {
 _TOKENS: dict[str, TensorSpec] = {"tokens": (("int32",), (1,))}
 _ROWS: dict[str, TensorSpec] = {"rows": (("float16", "int8"), (2,)), "row_scale?": (("float32",), (1,))}
 _SAMPLING: dict[str, FieldKind] = {"temperature": "number", "top_p": "number", "top_k": "int"}
+_SAMPLING_OPT: dict[str, FieldKind] = {f"{k}?": v for k, v in _SAMPLING.items()}
+_TREE: dict[str, TensorSpec] = {**_TOKENS, "parents": (("int32",), (1,)), "q_ids?": (("int32",), (2,)),
+                                "q_probs?": (("float16", "float32"), (2,))}
 
 SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     HELLO: {"fields": {"fingerprint": "str", "client": "str", "row_dtype": ROW_DTYPES, "auth?": "str"},
@@ -139,20 +144,23 @@ SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     WELCOME: {"fields": {"session_id": "str", "limits": "object", "target": "str", "fingerprint": "str",
                          "vocab_size": "int", "row_width": "int", "row_dtype": ROW_DTYPES},
               "tensors": {}},
-    PREFILL: {"fields": {"session_id?": "str", "seq": "int"}, "tensors": _TOKENS},
+    PREFILL: {"fields": {"session_id?": "str", "seq": "int", **_SAMPLING_OPT}, "tensors": _TOKENS},
     PREFILLED: {"fields": {"seq": "int", "next_token": "int", "length": "int", "timings?": "object"},
                 "tensors": _ROWS},
-    VERIFY: {"fields": {"session_id": "str", "seq": "int", **_SAMPLING},
-             "tensors": {**_TOKENS, "parents": (("int32",), (1,)), "draft_probs": (("float16", "float32"), (1, 2))}},
+    VERIFY: {"fields": {"session_id": "str", "seq": "int", **_SAMPLING}, "tensors": _TREE},
     VERIFIED: {"fields": {"seq": "int", "accepted": "int[]", "next_token": "int", "length": "int",
                           "timings?": "object"},
                "tensors": _ROWS},
-    RESUME: {"fields": {"session_id": "str", "length": "int", "policy": ("keep", "verify")}, "tensors": _TOKENS},
-    RESUMED: {"fields": {"accepted_upto": "int", "next_token": "int", "length": "int"}, "tensors": _ROWS},
-    GENERATE: {"fields": {"session_id?": "str", "max_new_tokens": "int", **_SAMPLING, "drafter": ("none", "server")},
+    RESUME: {"fields": {"session_id": "str", "length": "int", "policy": ("keep", "verify"), **_SAMPLING_OPT},
+             "tensors": _TOKENS},
+    RESUMED: {"fields": {"accepted_upto": "int", "next_token": "int", "length": "int", "timings?": "object"},
+              "tensors": _ROWS},
+    GENERATE: {"fields": {"session_id?": "str", "max_new_tokens": "int", **_SAMPLING, "drafter": ("none", "server"),
+                          "seed?": "int"},
                "tensors": _TOKENS},
-    TOKEN: {"fields": {"tokens": "int[]"}, "tensors": {}},
-    DONE: {"fields": {"stats": "object"}, "tensors": {}},
+    TOKEN: {"fields": {"text": "str"}, "tensors": {}},
+    DONE: {"fields": {"tokens": "int[]", "text": "str", "finish_reason": ("eos", "stop", "length"), "stats": "object"},
+           "tensors": {}},
     CLOSE: {"fields": {"session_id?": "str"}, "tensors": {}},
     PING: {"fields": {"t?": "number"}, "tensors": {}},
     PONG: {"fields": {"t?": "number"}, "tensors": {}},
@@ -362,6 +370,67 @@ def row_bytes(row_width: int, dtype: str) -> int:
     if dtype not in ROW_DTYPES:
         raise ValueError(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
     return row_width * 2 if dtype == "fp16" else row_width + 4
+
+
+# ---- draft trees -------------------------------------------------------------------------------------------
+def check_vocab(ids: np.ndarray, vocab_size: int, what: str = "tokens") -> None:
+    """Raise ProtocolError(out_of_vocab) unless every id is in [0, vocab_size)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ProtocolError(f"{what}: id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})", E_OUT_OF_VOCAB)
+
+
+def encode_tree(root: int, tree: DraftTree, with_q: bool = False, q_dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The `verify` tensors of root + tree: wire index 0 is the root, wire index i+1 is tree node i.
+
+    `with_q` adds the draft distributions (needed when sampling); float32 keeps the rejection sampling exact.
+    """
+    tensors = {"tokens": np.concatenate([[root], tree.tokens]).astype(np.int32),
+               "parents": np.concatenate([[-1], np.asarray(tree.parents) + 1]).astype(np.int32)}
+    if with_q:
+        tensors["q_ids"] = tree.q_ids.astype(np.int32)
+        tensors["q_probs"] = tree.q_probs.astype(q_dtype)
+    return tensors
+
+
+def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int,
+                need_q: bool) -> tuple[int, DraftTree]:
+    """Check the `verify` tensors (validated dtypes) and rebuild (root, DraftTree); inverse of encode_tree.
+
+    Raises ProtocolError: bad_tree (shapes, parents, q), out_of_vocab, limit (more than max_tokens tokens).
+    """
+    tokens, parents = tensors["tokens"].astype(np.int64), tensors["parents"].astype(np.int64)
+    n = len(tokens)
+    if n == 0 or parents.shape != tokens.shape:
+        raise ProtocolError(f"tokens [{n}] and parents {list(parents.shape)} must both be [n+1] with n >= 0",
+                            E_BAD_TREE)
+    if n > max_tokens:
+        raise ProtocolError(f"tree of {n} tokens (root included) is over max_tree_tokens={max_tokens}", E_LIMIT)
+    check_vocab(tokens, vocab_size)
+    bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= np.arange(1, n)))
+    if parents[0] != -1 or len(bad):
+        where = "parents[0] must be -1 (the root)" if parents[0] != -1 else             f"parents[{bad[0] + 1}] = {parents[bad[0] + 1]} is not in [0, {bad[0] + 1})"
+        raise ProtocolError(f"not a tree in topological order: {where}", E_BAD_TREE)
+    depths = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+    q_ids, q_probs = tensors.get("q_ids"), tensors.get("q_probs")
+    if (q_ids is None) != (q_probs is None) or (need_q and q_ids is None):
+        raise ProtocolError("sampling needs both q_ids and q_probs [n+1, K]" if need_q else
+                            "q_ids and q_probs go together", E_BAD_TREE)
+    if q_ids is None:
+        q_ids, q_probs = np.zeros((n, 1), np.int64), np.zeros((n, 1), np.float32)
+    elif q_ids.shape != q_probs.shape or q_ids.shape[0] != n or q_ids.shape[1] == 0:
+        raise ProtocolError(f"q_ids {list(q_ids.shape)} and q_probs {list(q_probs.shape)} must both be [{n}, K], K >= 1",
+                            E_BAD_TREE)
+    else:
+        check_vocab(q_ids, vocab_size, "q_ids")
+        q_probs = q_probs.astype(np.float32)
+        if not np.isfinite(q_probs).all() or (q_probs < 0).any() or (q_probs.sum(1) > 1.01).any():
+            raise ProtocolError("q_probs must be finite, >= 0 and sum to at most 1 per row", E_BAD_TREE)
+    tree = DraftTree(tokens=tokens[1:], parents=parents[1:] - 1, depths=depths[1:], q_ids=q_ids.astype(np.int64),
+                     q_probs=q_probs.astype(np.float32))
+    return int(tokens[0]), tree
 
 
 # ---- fingerprints -----------------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""`python -m server` / `moa-server`: serve a target (and a drafter's memory head) to edge clients."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from server.app import App
+from server.auth import Credentials
+from server.config import ServerConfig, parse_args
+from server.session import Model
+
+log = logging.getLogger("moa.server")
+
+
+def load_model(config: ServerConfig) -> Model:
+    """The target and the drafter's memory head, as configured."""
+    import torch
+
+    from models.drafter import load_drafter
+    from models.target import load_target
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    target = load_target(config.target, dtype=config.resolved_dtype, device=config.resolved_device)
+    drafter = None if config.drafter == "none" else load_drafter(config.drafter, target)
+    log.info("target %s (%s, %s), drafter %s", target.name, config.resolved_device, config.resolved_dtype,
+             config.drafter)
+    return Model(target, drafter, config.limits, config.tree)
+
+
+async def serve_until_signal(app: App, config: ServerConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with app.serve(config.host, config.port, config.ssl_context()):
+        await stop.wait()
+    log.info("shut down")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from models.drafter import FingerprintMismatch
+    from models.target import TargetLoadError
+
+    try:
+        model = load_model(config)
+    except (TargetLoadError, FingerprintMismatch, FileNotFoundError) as e:
+        sys.exit(f"moa-server: {e}")
+    asyncio.run(serve_until_signal(App(model, Credentials(config.tokens)), config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Server settings and the `moa-server` command line."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from dataclasses import dataclass, field
+
+from server.auth import TOKENS_ENV, load_tokens
+from server.session import Limits
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+EPILOG = f"""\
+endpoints (one port):
+  ws[s]://HOST:PORT/   the edge protocol (docs/protocol.md): binary frames, one session per transcript
+  GET /healthz         200 + JSON status
+  GET /metrics         Prometheus text: sessions, requests by type, errors by code, accepted tokens,
+                       target seconds, bytes in/out, compute queue
+
+authentication:
+  Tokens come from --tokens-file (one per line, # comments) and ${TOKENS_ENV} (comma-separated). Clients send
+  `Authorization: Bearer <token>` in the websocket handshake (a wrong token gets HTTP 401) or hello.auth.
+  Sessions belong to the token that opened them. With no token configured the server is open (warning logged).
+
+compute:
+  Model work runs off the event loop in one compute lane: requests are served one at a time in arrival
+  order (fair FIFO, not batched); `generate` gives the lane back after every decoding round.
+
+examples:
+  moa-server                                   default target + shipped MoA drafter on 127.0.0.1:8765
+  moa-server --host 0.0.0.0 --tokens-file tokens.txt --certfile cert.pem --keyfile key.pem
+  moa-server --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/llama-moa --device cuda --dtype float16
+"""
+
+
+@dataclass
+class ServerConfig:
+    target: str = "default"
+    drafter: str = "default"  # the memory head: a path, default | moa | eagle (shipped), or none (generate only)
+    tree: str = "auto"  # server-side drafting budget for generate with drafter=server
+    host: str = "127.0.0.1"
+    port: int = 8765
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    tokens: tuple[str, ...] = ()
+    certfile: str | None = None
+    keyfile: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    log_level: str = "info"
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        """auto: float32 on CPU, float16 on CUDA (bfloat16 would change the weight fingerprints)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float16" if self.resolved_device == "cuda" else "float32"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A TLS context when a certificate is configured (the server then speaks wss://)."""
+        if not self.certfile:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.certfile, self.keyfile)
+        return context
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, lim = ServerConfig(), Limits()
+    p = argparse.ArgumentParser(prog="moa-server", description="Speculative-decoding verify server: hosts the target "
+                                "LLM, verifies the edge's draft trees and sends back the drafter's memory rows.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--target", default=d.target, help="target LLM: 'default' (SmolLM2-135M-Instruct), a Hugging Face "
+                   "id in the local cache or a local path (Llama / Qwen2 / Mistral) (default: %(default)s)")
+    m.add_argument("--drafter", default=d.drafter, help="drafter whose memory head computes the memory rows: "
+                   "'default' (shipped MoA), 'moa', 'eagle', a checkpoint directory, or 'none' to serve only "
+                   "generate; also drafts server-side for generate with drafter=server (default: %(default)s)")
+    m.add_argument("--tree", default=d.tree, help="server-side draft tree 'depth,topk,total' or 'auto' (measured "
+                   "cost model) (default: %(default)s)")
+    m.add_argument("--device", choices=DEVICES, default=d.device, help="default: %(default)s (cuda when present)")
+    m.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weights dtype; auto = float32 on CPU, float16 on "
+                   "CUDA (default: %(default)s)")
+    m.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
+    n = p.add_argument_group("network and security")
+    n.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
+    n.add_argument("--port", type=int, default=d.port, help="port, 0 = any free one (default: %(default)s)")
+    n.add_argument("--tokens-file", help=f"file of accepted bearer tokens, one per line (also: ${TOKENS_ENV}, "
+                   "comma-separated); none configured = open server")
+    n.add_argument("--certfile", help="TLS certificate chain (PEM): serve wss://")
+    n.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-sessions", type=int, default=lim.max_sessions, help="default: %(default)s")
+    g.add_argument("--max-context", type=int, default=lim.max_context, help="tokens per session (default: %(default)s)")
+    g.add_argument("--max-tree-tokens", type=int, default=lim.max_tree_tokens,
+                   help="tokens per verify, root included (default: %(default)s)")
+    g.add_argument("--max-message-bytes", type=int, default=lim.max_message_bytes,
+                   help="largest incoming frame; bigger ones close the connection with 1009 (default: %(default)s)")
+    g.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s,
+                   help="seconds a session without a connection is kept for resume (default: %(default)s)")
+    p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"),
+                   help="default: %(default)s")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    a = build_parser().parse_args(argv)
+    if a.keyfile and not a.certfile:
+        build_parser().error("--keyfile needs --certfile")
+    limits = Limits(a.max_sessions, a.max_context, a.max_tree_tokens, a.max_message_bytes, a.idle_timeout)
+    return ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.threads,
+                        load_tokens(a.tokens_file), a.certfile, a.keyfile, limits, a.log_level)

@@ -1,0 +1,264 @@
+"""Verify-server state and operations, free of networking: the served model and one `Session` per edge transcript.
+
+Every method here runs in the server's compute lane (one at a time, see `server.app`). A session's operations
+check everything that depends on its state before they touch it, so a refused request leaves it unchanged.
+Replies are encoded frames (docs/protocol.md); the last prefill/verify reply is kept for retries of its `seq`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from edge_client import protocol as P
+from edge_client.tree import DraftTree
+from models.drafter import Drafter
+from models.engine import SpeculativeEngine, TorchDraftStep
+from models.target import Target, TargetRunner, TargetStep
+from models.verify import Sampling, sample_token, verify_tree
+
+
+def _sha16(*chunks: bytes) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def drafter_fingerprint(drafter: Drafter) -> str:
+    """Architecture, config and weights (as float16, like the target's) of a drafter: 16 hex digits."""
+    meta = json.dumps({"arch": drafter.arch, "config": asdict(drafter.config)}, sort_keys=True).encode()
+    weights = (part for name, p in sorted(drafter.trainable_state_dict().items())
+               for part in (name.encode(), p.detach().to(torch.float16).cpu().contiguous().view(torch.int16)
+                            .numpy().tobytes()))
+    return _sha16(meta, *weights)
+
+
+def bundle_fingerprint(target: Target, drafter: Drafter | None) -> str:
+    """What `hello.fingerprint` must equal: `tokenizer=<hex>;target=<hex>;memory=<hex>` (memory=none: no drafter).
+
+    The exporter records this string in the edge bundle; `protocol.fingerprint_diff` names the parts that differ.
+    """
+    vocab = json.dumps(sorted(target.tokenizer.get_vocab().items()), separators=(",", ":")).encode()
+    memory = drafter_fingerprint(drafter) if drafter is not None else "none"
+    return f"tokenizer={_sha16(vocab)};target={target.fingerprint};memory={memory}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int = 64
+    max_context: int = 4096
+    max_tree_tokens: int = 128
+    max_message_bytes: int = 1 << 20
+    idle_timeout_s: float = 300.0
+
+    def public(self) -> dict[str, Any]:
+        """The limits a `welcome` announces."""
+        return {"max_context": self.max_context, "max_tree_tokens": self.max_tree_tokens,
+                "max_message_bytes": self.max_message_bytes, "idle_timeout_s": self.idle_timeout_s}
+
+
+@dataclass
+class Metrics:
+    """Counters for /metrics; written by the compute lane and the event loop, one writer per counter."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by message type
+    errors: dict[str, int] = field(default_factory=dict)  # by error code
+    accepted_tokens: int = 0  # draft tokens accepted by verify
+    committed_tokens: int = 0  # tokens added to session transcripts (prefill, verify, resume)
+    target_seconds: float = 0.0  # compute lane time: target forwards and memory rows
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+def sampling_of(fields: dict[str, Any]) -> Sampling:
+    """Sampling settings from message fields (absent = greedy); bad values -> bad_request."""
+    temperature = fields.get("temperature") or 0.0
+    top_p = 1.0 if fields.get("top_p") is None else fields["top_p"]
+    top_k = fields.get("top_k") or 0
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise P.ProtocolError(f"bad sampling settings: temperature {temperature} (>= 0), top_p {top_p} (in (0, 1]), "
+                              f"top_k {top_k} (>= 0)", P.E_BAD_REQUEST)
+    return Sampling(float(temperature), int(top_k), float(top_p))
+
+
+class Model:
+    """The served target and the drafter's memory head (the half of the drafter that runs where the target runs)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, limits: Limits = Limits(), tree: str = "auto"):
+        self.target = target
+        self.drafter = drafter
+        self.memory_head = TorchDraftStep(drafter) if drafter is not None else None
+        self.limits = limits
+        self.tree = tree  # server-side drafting budget for `generate` with drafter=server
+        self.fingerprint = bundle_fingerprint(target, drafter)
+        self.metrics = Metrics()
+        self._engines: dict[str, SpeculativeEngine] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.spec.vocab_size
+
+    @property
+    def row_width(self) -> int:
+        return self.drafter.row_width if self.drafter is not None else 0
+
+    def require_memory_head(self) -> None:
+        if self.memory_head is None:
+            raise P.ProtocolError("this server runs without a drafter (--drafter none): it serves generate only",
+                                  P.E_BAD_REQUEST)
+
+    def rows(self, step: TargetStep, start: int) -> np.ndarray:
+        """Memory rows of the verified tokens in `step`, at positions start, start+1, ..."""
+        return self.memory_head.memory_rows(step, list(range(start, start + step.hidden.shape[0])))
+
+    def engine(self, drafter: str) -> SpeculativeEngine:
+        """The generation engine for `generate` (drafter none | server), built on first use."""
+        if drafter == "server":
+            self.require_memory_head()
+        if drafter not in self._engines:
+            self._engines[drafter] = SpeculativeEngine(self.target, self.drafter if drafter == "server" else None,
+                                                       tree=self.tree)
+        return self._engines[drafter]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, drafter: str, seed: int | None,
+                 emit: Callable[[str], None]) -> bytes:
+        """Server-only generation; `emit` gets each new piece of text. Returns the `done` frame."""
+        t0 = time.perf_counter()
+        result = self.engine(drafter).generate(prompt, max_new_tokens, sampling.temperature, sampling.top_p,
+                                               sampling.top_k, streamer=emit, seed=seed)
+        self.metrics.target_seconds += time.perf_counter() - t0
+        return P.encode(P.DONE, {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                                 "stats": result.stats.as_dict()})
+
+
+def _slice(step: TargetStep, n: int) -> TargetStep:
+    return TargetStep(step.logits[:n], step.hidden[:n], step.keys[:, :n], step.values[:, :n])
+
+
+@dataclass
+class Session:
+    """One edge transcript: the committed tokens, the target cache over them and the pending next token."""
+
+    id: str
+    owner: str
+    row_dtype: str
+    model: Model
+    runner: TargetRunner | None = None
+    tokens: list[int] = field(default_factory=list)
+    next_token: int | None = None  # the root of the next tree (not committed)
+    last_seq: int = -1
+    last_reply: bytes | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    connections: int = 0  # open connections that used this session
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator(device=self.model.target.device).manual_seed(secrets.randbits(63))
+
+    @property
+    def used(self) -> bool:
+        return self.runner is not None
+
+    def _repeat(self, seq: int) -> bytes | None:
+        """The cached reply for a retried `seq`; None for a new one; bad_request for an older one."""
+        if seq == self.last_seq and self.last_reply is not None:
+            return self.last_reply
+        if seq <= self.last_seq:
+            raise P.ProtocolError(f"stale seq {seq}: this session already processed seq {self.last_seq}",
+                                  P.E_BAD_REQUEST)
+        return None
+
+    def _check_context(self, length: int) -> None:
+        if length > self.model.limits.max_context:
+            raise P.ProtocolError(f"context of {length} tokens is over max_context={self.model.limits.max_context}",
+                                  P.E_LIMIT)
+
+    def _reply(self, msg_type: str, fields: dict[str, Any], rows: np.ndarray, seq: int | None = None) -> bytes:
+        frame = P.encode(msg_type, {**fields, "length": len(self.tokens)}, P.encode_rows(rows, self.row_dtype))
+        if seq is not None:
+            self.last_seq, self.last_reply = seq, frame
+        return frame
+
+    def _commit(self, tokens: list[int], step: TargetStep, next_token: int) -> tuple[np.ndarray, float]:
+        """Append verified tokens (their target activations in `step`); return their memory rows and the time."""
+        t = time.perf_counter()
+        rows = self.model.rows(step, len(self.tokens))
+        self.tokens.extend(tokens)
+        self.next_token = next_token
+        self.model.metrics.committed_tokens += len(tokens)
+        return rows, time.perf_counter() - t
+
+    def prefill(self, seq: int, tokens: list[int], sampling: Sampling) -> bytes:
+        """Replace the transcript with `tokens`: target forward, memory rows of all of them, first next token."""
+        self.model.require_memory_head()
+        if (cached := self._repeat(seq)) is not None:
+            return cached
+        self._check_context(len(tokens))
+        t = time.perf_counter()
+        runner = self.model.target.new_runner()
+        step = runner.forward(tokens)
+        next_token = sample_token(step.logits[-1], sampling, self.generator)
+        target_s = time.perf_counter() - t
+        self.runner, self.tokens = runner, []
+        rows, rows_s = self._commit(tokens, step, next_token)
+        self.model.metrics.target_seconds += target_s + rows_s
+        return self._reply(P.PREFILLED, {"seq": seq, "next_token": next_token,
+                                         "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
+
+    def verify(self, seq: int, root: int, tree: DraftTree, sampling: Sampling) -> bytes:
+        """Verify root + tree against the target, keep the accepted path, return its memory rows."""
+        self.model.require_memory_head()
+        if (cached := self._repeat(seq)) is not None:
+            return cached
+        if self.next_token is None:
+            raise P.ProtocolError("verify before prefill: send prefill first", P.E_BAD_REQUEST)
+        if root != self.next_token:
+            raise P.ProtocolError(f"tokens[0] = {root} is not the pending next token {self.next_token}", P.E_BAD_TREE)
+        self._check_context(len(self.tokens) + 1 + len(tree))
+        t = time.perf_counter()
+        verified = verify_tree(self.runner, root, tree, sampling, self.generator)
+        target_s = time.perf_counter() - t
+        rows, rows_s = self._commit([root] + verified.accepted, verified.step, verified.next_token)
+        self.model.metrics.accepted_tokens += len(verified.path)
+        self.model.metrics.target_seconds += target_s + rows_s
+        accepted = [0] + [i + 1 for i in verified.path]
+        return self._reply(P.VERIFIED, {"seq": seq, "accepted": accepted, "next_token": verified.next_token,
+                                        "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
+
+    def resume(self, length: int, tokens: list[int], policy: str, sampling: Sampling) -> bytes:
+        """Continue at the client's committed `length` with its offline `tokens` (root first).
+
+        keep: all of them become verified; verify: only the prefix the greedy target agrees with.
+        """
+        self.model.require_memory_head()
+        if self.runner is None or length > len(self.tokens):
+            raise P.ProtocolError(f"session {self.id} has {len(self.tokens)} committed tokens, cannot resume at "
+                                  f"length {length}: prefill the whole transcript", P.E_UNKNOWN_SESSION)
+        self._check_context(length + len(tokens))
+        t = time.perf_counter()
+        self.runner.crop(length)
+        del self.tokens[length:]
+        self.last_reply = None  # a retry of an earlier seq must not replay a reply from before the rewind
+        step = self.runner.forward(tokens)
+        upto = len(tokens)
+        if policy == "verify":
+            disagree = np.flatnonzero(step.logits[:-1].argmax(-1).cpu().numpy() != np.asarray(tokens[1:]))
+            upto = 1 + int(disagree[0]) if len(disagree) else upto
+            self.runner.crop(length + upto)
+        next_token = sample_token(step.logits[upto - 1], sampling, self.generator)
+        target_s = time.perf_counter() - t
+        rows, rows_s = self._commit(tokens[:upto], _slice(step, upto), next_token)
+        self.model.metrics.target_seconds += target_s + rows_s
+        return self._reply(P.RESUMED, {"accepted_upto": upto, "next_token": next_token,
+                                       "timings": {"target_s": target_s, "rows_s": rows_s}}, rows)
