@@ -1,0 +1,168 @@
+"""`python -m edge_client` / `moa-edge`: generate on the edge with a verify server (or without one).
+
+    moa-edge "Why is the sky blue?"                         speculative decoding with the server on 127.0.0.1:8765
+    moa-edge --server wss://gpu-box:8765 --token $TOKEN     an interactive chat (no prompt given)
+    moa-edge --mode api "..."                               the baseline: the server generates and streams
+    moa-edge --mode offline "..."                           never connect: the edge drafter alone
+    moa-edge --disconnect-after 32 --offline-for 2 "..."    experiment: drop the link, resync 2 s later
+
+Text streams to stdout as tokens are accepted; text made offline (unverified) is dim on a terminal. Under
+`--on-reconnect verify` offline text the target rejects is withdrawn: the stream prints ⟲ after it and goes on
+with the target's text (--json holds the final text only). Events and a status line go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import TextIO
+
+from edge_client.bundle import BundleError
+from edge_client.client import DEFAULT_SERVER, MODES, POLICIES, EdgeError, EdgeSession, LinkDown, Prompt, Result
+from edge_client.protocol import ROW_DTYPES
+from edge_client.tree import TreeConfig
+
+DIM, RESET = "\033[2m", "\033[0m"
+REWIND_MARK = "⟲"
+
+
+def parse_tree(text: str) -> TreeConfig | str:
+    return text if text == "auto" else TreeConfig.parse(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moa-edge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", help="one user turn; without it, an interactive chat (/exit or EOF ends it)")
+    p.add_argument("--bundle", help="edge bundle directory (default: the shipped MoA drafter's, exported on first "
+                   "use under $MOA_CACHE or ~/.cache/moa-edge/bundles/default-moa)")
+    p.add_argument("--server", default=DEFAULT_SERVER, help="ws:// or wss:// URL (default: %(default)s)")
+    p.add_argument("--token", default=os.environ.get("MOA_TOKEN"), help="the server's bearer token (default: $MOA_TOKEN)")
+    p.add_argument("--mode", choices=MODES, default="speculative",
+                   help="speculative: draft here, verify on the server; api: the server generates (baseline); "
+                   "offline: never connect (default: %(default)s)")
+    p.add_argument("--system", help="a system message for the chat")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="default: %(default)s")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    g.add_argument("--seed", type=int, help="seed of the edge's draft sampling")
+    g.add_argument("--tree", type=parse_tree, default="auto", help="draft tree 'depth,topk,total' or 'auto' (the "
+                   "budget the bundle's acceptance was measured with, cut to the server's limit) (default: auto)")
+    n = p.add_argument_group("link")
+    n.add_argument("--on-reconnect", choices=POLICIES, default="keep", help="after an offline stretch the server "
+                   "keeps the offline tokens, or verifies them and the edge rewinds to the first disagreement "
+                   "(default: %(default)s)")
+    n.add_argument("--row-dtype", choices=ROW_DTYPES, default="fp16", help="memory rows on the wire (default: "
+                   "%(default)s)")
+    n.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for a reply before going offline "
+                   "(default: %(default)s)")
+    n.add_argument("--disconnect-after", type=int, metavar="N", help="experiment: drop the link after N verified "
+                   "tokens")
+    n.add_argument("--offline-for", type=float, metavar="S", help="with --disconnect-after: reconnect after S seconds "
+                   "(default: stay offline to the end)")
+    r = p.add_argument_group("runtime and output")
+    r.add_argument("--providers", default="auto", help="ONNX Runtime providers: auto, cpu, cuda, tensorrt")
+    r.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own choice)")
+    r.add_argument("--json", action="store_true", help="print one JSON object per reply at the end (text, token_ids, "
+                   "finish_reason, stats) instead of streaming")
+    r.add_argument("-q", "--quiet", action="store_true", help="no events or status line on stderr")
+    return p
+
+
+def status_line(session: EdgeSession) -> str:
+    s = session.stats
+    state = s.mode if s.mode != "speculative" else ("online" if session.online else "offline")
+    parts = [f"[{state}] {s.new_tokens} tokens in {s.total_s:.2f} s ({s.tokens_per_s:.1f} tokens/s)",
+             f"tau {s.tau:.2f}", f"{s.server_calls} server calls", f"{s.offline_tokens} offline tokens",
+             f"{s.bytes_up / 1024:.1f} KiB up, {s.bytes_down / 1024:.1f} KiB down",
+             f"network wait {s.network_wait_s:.2f} s"]
+    if s.rewound_tokens:
+        parts.append(f"{s.rewound_tokens} rewound")
+    return ", ".join(parts)
+
+
+class Console(logging.Handler):
+    """Streamed text on stdout, events on stderr: each event on a line of its own, even when text stops mid-line."""
+
+    def __init__(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr):
+        super().__init__()
+        self.out, self.err, self.tty = out, err, out.isatty()
+        self.mid_line = False
+
+    def write(self, text: str, dim: bool = False) -> None:
+        if text:
+            self.out.write(f"{DIM}{text}{RESET}" if dim and self.tty else text)
+            self.out.flush()
+            self.mid_line = not text.endswith("\n")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.err.write(("\n" if self.mid_line else "") + f"[moa-edge] {record.getMessage()}\n")
+        self.err.flush()
+        self.mid_line = False
+
+
+def reply(session: EdgeSession, prompt: Prompt, args: argparse.Namespace, console: Console) -> Result:
+    """Stream one reply (or print its JSON at the end), then the status line on stderr."""
+    chunks = session.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, drop_after=args.disconnect_after,
+                              offline_for=args.offline_for)
+    for chunk in chunks:
+        if not args.json:
+            console.write(REWIND_MARK if chunk.rewind else "")
+            console.write(chunk, dim=chunk.offline)
+    result = session.result
+    console.write(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason":
+                              result.finish_reason, "stats": session.stats.as_dict()}) + "\n" if args.json else "\n")
+    if not args.quiet:
+        logging.getLogger("moa.edge").warning(status_line(session))
+    return result
+
+
+def chat(session: EdgeSession, args: argparse.Namespace, console: Console) -> None:
+    """Read user turns from stdin until EOF or /exit; the whole conversation is the prompt of each reply."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line:
+            messages.append({"role": "user", "content": line})
+            messages.append({"role": "assistant", "content": reply(session, messages, args, console).text})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.offline_for is not None and args.disconnect_after is None:
+        build_parser().error("--offline-for needs --disconnect-after")
+    console = Console()
+    logger = logging.getLogger("moa.edge")
+    logger.addHandler(console)
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        with EdgeSession(args.bundle, args.server, args.token, args.mode, args.tree, args.on_reconnect,
+                         args.row_dtype, args.timeout, providers=args.providers, threads=args.threads) as session:
+            if args.prompt is not None:
+                messages = [{"role": "system", "content": args.system}] if args.system else []
+                reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)
+            else:
+                chat(session, args, console)
+    except LinkDown as e:
+        print(f"moa-edge: error: {e} (is the server running? --mode offline generates without one)", file=sys.stderr)
+        return 1
+    except (EdgeError, BundleError) as e:
+        print(f"moa-edge: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""The edge client: speculative decoding against a verify server, offline continuation and resync (DESIGN.md §6-7).
+
+`EdgeSession` drafts trees with the bundle's ONNX drafter, has the server verify them (docs/protocol.md) and
+streams the text as tokens are accepted. The edge's transcript is the source of truth; the server's is a cache.
+
+- A dropped connection is reopened once at once and the unanswered request sent again with the same `seq` (the
+  server answers a repeated `seq` with its cached reply, so a lost reply is simply retried).
+- If that fails, or a reply times out, or the server says "retry later", the edge goes offline at once: it keeps
+  generating with its drafter alone (memory rows frozen at the last verified token), streams those tokens marked
+  `offline`, and reconnects in the background (exponential backoff with jitter).
+- Back online it resumes by policy. `keep`: the server takes the offline tokens as they are. `verify`: the target
+  checks them and the edge rewinds to the first disagreement; the stream then carries a `Chunk` whose `rewind`
+  says how many characters of the text shown so far to delete before appending it.
+- A server that lost the session (restart, expiry) gets the transcript again by prefill in a new session.
+
+`AsyncEdgeSession` is the asyncio front: the same session with its blocking work in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator, Union
+
+import numpy as np
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
+from edge_client import protocol as P
+from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
+from edge_client.drafting import DraftSession
+from edge_client.runtime import OrtDraftStep
+from edge_client.tree import TreeConfig
+
+log = logging.getLogger("moa.edge")
+
+DEFAULT_SERVER = "ws://127.0.0.1:8765"
+MODES = ("speculative", "api", "offline")
+POLICIES = ("keep", "verify")
+CLIENT_NAME = "moa-edge"
+Prompt = Union[str, list[dict], list[int]]  # text (one user turn), chat messages, or token ids
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+class EdgeError(RuntimeError):
+    """The client cannot go on; the message says why."""
+
+
+class ServerError(EdgeError):
+    """An `error` reply the client cannot recover from; `code` is the protocol's error code."""
+
+    HINTS = {P.E_AUTH: "pass the server's token with --token or MOA_TOKEN",
+             P.E_FINGERPRINT: "use a bundle exported from the server's target and drafter (--bundle)"}
+
+    def __init__(self, code: str, message: str):
+        hint = f" ({self.HINTS[code]})" if code in self.HINTS else ""
+        super().__init__(f"server error {code}: {message}{hint}")
+        self.code = code
+
+
+class LinkDown(EdgeError):
+    """The server cannot be used right now (connection lost or refused, timeout, busy): the edge goes offline."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+class Chunk(str):
+    """A piece of streamed text.
+
+    `rewind` > 0: first delete that many characters of the text streamed so far (offline text the target rejected
+    when resuming under the `verify` policy), then append this chunk. `offline`: made by the edge's drafter alone.
+    """
+
+    rewind: int
+    offline: bool
+
+    def __new__(cls, text: str, rewind: int = 0, offline: bool = False) -> "Chunk":
+        chunk = super().__new__(cls, text)
+        chunk.rewind, chunk.offline = rewind, offline
+        return chunk
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "length" (| "stop" from the server in api mode)
+
+
+@dataclass
+class Stats:
+    """Figures of one generation. Bytes count the frames of generation requests and replies (not the handshake)."""
+
+    mode: str
+    tree: str = ""
+    new_tokens: int = 0
+    server_calls: int = 0  # requests sent: prefill, verify, resume, generate (retries included)
+    verify_calls: int = 0
+    accepted_tokens: int = 0  # tokens gained by verify calls, the root included: tau = accepted / verify calls
+    offline_tokens: int = 0  # tokens the drafter made alone while offline
+    rewound_tokens: int = 0  # offline tokens shown, then withdrawn by a `verify` resume
+    reconnects: int = 0
+    retries: int = 0  # requests sent again (same seq) on a reopened connection
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_wait_s: float = 0.0  # time blocked on the server: round trips, server compute included
+    server_s: float = 0.0  # the server's own compute time, as its replies report it
+    draft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.accepted_tokens / self.verify_calls if self.verify_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        per_token = (self.bytes_up + self.bytes_down) / self.new_tokens if self.new_tokens else 0.0
+        return {**asdict(self), "tau": self.tau, "tokens_per_s": self.tokens_per_s, "bytes_per_token": per_token}
+
+
+# ---- the default bundle ---------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """`MOA_CACHE`, default ~/.cache/moa-edge (where the server side caches the target too)."""
+    return Path(os.environ.get("MOA_CACHE", Path.home() / ".cache" / "moa-edge"))
+
+
+def default_bundle() -> Path:
+    """The shipped MoA drafter's bundle in the cache, exported when missing or older than the drafter.
+
+    The exporter runs in a subprocess (it needs torch; the edge never imports it)."""
+    out = cache_dir() / "bundles" / "default-moa"
+    spec = find_spec("models")  # locates the project's models package without importing it
+    weights = Path(spec.origin).parent / "default" / "moa" / "model.safetensors" if spec and spec.origin else None
+    meta = out / BUNDLE_FILE
+    if meta.exists() and not (weights and weights.exists() and weights.stat().st_mtime > meta.stat().st_mtime):
+        return out
+    log.warning("exporting the default edge bundle to %s (once, about a minute)", out)
+    proc = subprocess.run([sys.executable, "-m", "export.to_onnx", "--drafter", "default", "--out", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise EdgeError(f"no edge bundle at {out} and exporting one failed (it needs the server and export extras); "
+                        f"pass --bundle DIR. Exporter: {' | '.join(tail)}")
+    return out
+
+
+def fit_tree(tree: TreeConfig | str, bundle: Bundle, max_tree_tokens: int) -> tuple[TreeConfig, str]:
+    """The draft tree budget and why: `auto` takes the budget the exporter measured the bundle's acceptance with.
+
+    Either way the tree is cut to the server's max_tree_tokens (root included)."""
+    if tree == "auto":
+        acc = bundle.meta.get("checks", {}).get("acceptance")
+        tree, why = ((TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}") if acc
+                     else (TreeConfig(), "auto: default budget, the bundle has no acceptance record"))
+    else:
+        tree, why = (tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree)), "given"
+    if tree.total_tokens >= max_tree_tokens:
+        tree, why = replace(tree, total_tokens=max_tree_tokens - 1), f"{why}; cut to the server's limit"
+    return tree, why
+
+
+def token_tensor(tokens: list[int]) -> dict[str, np.ndarray]:
+    return {"tokens": np.asarray(tokens, np.int32)}
+
+
+def common_prefix(a: list | str, b: list | str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+# ---- the connection -------------------------------------------------------------------------------------------
+class Link:
+    """One websocket connection after a successful hello; raw frames in and out."""
+
+    def __init__(self, ws: ClientConnection, timeout_s: float):
+        self.ws, self.timeout_s = ws, timeout_s
+        self.welcome: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, url: str, token: str | None, fingerprint: str, row_dtype: str, timeout_s: float) -> "Link":
+        """Connect and say hello. Raises ServerError (auth, fingerprint: fatal) or LinkDown (try again later)."""
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        try:
+            ws = connect(url, additional_headers=headers, open_timeout=timeout_s, max_size=None, compression=None,
+                         legacy=True)
+        except InvalidURI:
+            raise EdgeError(f"bad server URL {url!r}: expected ws://HOST:PORT or wss://HOST:PORT") from None
+        except InvalidStatus as e:
+            if e.response.status_code == 401:
+                raise ServerError(P.E_AUTH, "the server rejected the token (HTTP 401)") from None
+            raise LinkDown(f"{url} refused the connection (HTTP {e.response.status_code})") from None
+        except (OSError, TimeoutError, InvalidHandshake) as e:
+            raise LinkDown(f"cannot reach {url}: {e}") from None
+        link = cls(ws, timeout_s)
+        try:
+            link.send(P.encode(P.HELLO, {"fingerprint": fingerprint, "client": CLIENT_NAME, "row_dtype": row_dtype}))
+            link.welcome = expect(decode_reply(link.recv()), P.WELCOME).fields
+        except EdgeError:
+            link.close()
+            raise
+        return link
+
+    @property
+    def session_id(self) -> str:
+        return self.welcome["session_id"]
+
+    def send(self, frame: bytes) -> None:
+        try:
+            self.ws.send(frame)
+        except (ConnectionClosed, OSError) as e:
+            raise LinkDown(f"connection lost ({e})") from None
+
+    def recv(self) -> bytes:
+        try:
+            return self.ws.recv(self.timeout_s)
+        except TimeoutError:
+            raise LinkDown(f"no reply within {self.timeout_s:g} s", timed_out=True) from None
+        except (ConnectionClosed, OSError) as e:
+            raise LinkDown(f"connection lost ({e})") from None
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+def decode_reply(data: bytes) -> P.Message:
+    """A server frame; an `error` raises LinkDown when the server says retry later, else ServerError."""
+    try:
+        msg = P.decode(data)
+        P.validate(msg)
+    except P.ProtocolError as e:
+        raise EdgeError(f"unreadable reply from the server: {e}") from None
+    if msg.type == P.ERROR:
+        f = msg.fields
+        if f["retry"]:
+            raise LinkDown(f"server busy ({f['code']}): {f['message']}")
+        raise ServerError(f["code"], f["message"])
+    return msg
+
+
+def expect(msg: P.Message, msg_type: str) -> P.Message:
+    if msg.type != msg_type:
+        raise EdgeError(f"expected a {msg_type} reply, the server sent {msg.type}")
+    return msg
+
+
+class Reconnector:
+    """Opens a link in a background thread: first after `delay_s`, then with exponential backoff and jitter."""
+
+    def __init__(self, open_link: Callable[[], Link], delay_s: float, backoff_s: tuple[float, float]):
+        self._open, self._backoff = open_link, backoff_s
+        self._stop, self._done = threading.Event(), threading.Event()
+        self.link: Link | None = None
+        self.error: EdgeError | None = None
+        self.attempts = 0
+        threading.Thread(target=self._run, args=(delay_s,), daemon=True, name="moa-reconnect").start()
+
+    def _run(self, wait: float) -> None:
+        step, cap = self._backoff
+        while not self._stop.wait(wait):
+            self.attempts += 1
+            try:
+                self.link = self._open()
+            except LinkDown as e:
+                log.debug("reconnect attempt %d: %s", self.attempts, e)
+                wait, step = step * random.uniform(0.5, 1.0), min(cap, step * 2)
+                continue
+            except EdgeError as e:  # auth, fingerprint: trying again will not help
+                self.error = e
+            break
+        if self._stop.is_set() and self.link is not None:
+            self.link.close()
+        self._done.set()
+
+    def take(self, timeout: float = 0.0) -> Link | None:
+        """The new link once connected, else None; a fatal connection error is raised here."""
+        if not self._done.wait(timeout):
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.link
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._done.is_set() and self.link is not None:
+            self.link.close()
+
+
+# ---- the session ----------------------------------------------------------------------------------------------
+class EdgeSession:
+    """A conversation with one verify server (or none, in offline mode), one generation at a time.
+
+        with EdgeSession(bundle, "ws://gpu-box:8765", token="...") as s:
+            for chunk in s.generate("Why is the sky blue?", max_new_tokens=64):
+                print(chunk, end="", flush=True)
+            print(s.result.text, s.stats.tau)
+
+    Modes: `speculative` (draft on the edge, verify on the server), `api` (the server generates and streams: the
+    baseline), `offline` (never connects; the drafter alone, without target memory). The constructor connects
+    and fails with a clear error on a wrong token, a bundle that does not fit the server, or no server at all.
+    """
+
+    def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,
+                 token: str | None = None, mode: str = "speculative", tree: TreeConfig | str = "auto",
+                 on_reconnect: str = "keep", row_dtype: str = "fp16", timeout_s: float = 15.0,
+                 backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None):
+        for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),
+                                     ("row_dtype", row_dtype, P.ROW_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle or default_bundle())
+        self.fingerprint: str = self.bundle.meta.get("fingerprint") or ""
+        if not self.fingerprint:
+            raise BundleError(f"{self.bundle.path}: bundle.json has no server fingerprint (exported by an older "
+                              "exporter): export it again")
+        self.tokenizer = self.bundle.chat_tokenizer()
+        self.step = OrtDraftStep(self.bundle, providers, threads)
+        self.server, self.token, self.mode, self.policy = server, token, mode, on_reconnect
+        self.row_dtype, self.timeout_s, self.backoff_s = row_dtype, timeout_s, backoff_s
+        self.tree, self.tree_note = TreeConfig(), "unused offline"
+        self.stats = Stats(mode)
+        self.result: Result | None = None
+        self.session_id: str | None = None
+        self.seq = 0
+        self._link: Link | None = None
+        self._reconnector: Reconnector | None = None
+        # the transcript: tokens[:length] are committed on the server (with their memory rows); after them come
+        # the pending root (the server's next token) and whatever the edge made offline
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []
+        self.length = 0
+        self.rows = np.zeros((0, self.bundle.row_width), np.float32)
+        self._draft: DraftSession | None = None  # drafts trees over the committed transcript
+        self._offline: DraftSession | None = None  # generates alone while offline
+        self._shown = ""
+        if mode != "offline":
+            self._link = self._open()
+            self.session_id = self._link.session_id
+            self.tree, self.tree_note = fit_tree(tree, self.bundle, self._link.welcome["limits"]["max_tree_tokens"])
+            log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self._link.welcome["target"],
+                     self.session_id, self.tree, self.tree_note)
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    @property
+    def online(self) -> bool:
+        return self._link is not None
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text is one user turn, dicts are chat messages (chat template), ints pass as is."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, drop_after: int | None = None,
+                 offline_for: float | None = None) -> Iterator[Chunk]:
+        """Stream the reply to `prompt` as text chunks; `result` and `stats` hold the outcome once it ends.
+
+        Stops after the first EOS (kept) or `max_new_tokens`. `temperature` 0 is greedy. For experiments,
+        `drop_after` drops the link once that many generated tokens are verified and keeps it down for
+        `offline_for` seconds (None: to the end of this generation)."""
+        ids = self.encode(prompt)
+        self.stats = Stats(self.mode, tree=str(self.tree) if self.mode == "speculative" else "")
+        self.result = None
+        self._sampling = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k)}
+        self._rng = np.random.default_rng(seed)
+        start = time.perf_counter()
+        run = self._api(ids, max_new_tokens) if self.mode == "api" else \
+            self._speculative(ids, max_new_tokens, drop_after, offline_for)
+        for chunk in run:
+            self.stats.total_s = time.perf_counter() - start
+            yield chunk
+        self.stats.total_s = time.perf_counter() - start
+        self.stats.new_tokens = len(self.result.token_ids)
+
+    def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
+        """generate() to the end; the Result."""
+        for _ in self.generate(prompt, **kwargs):
+            pass
+        return self.result
+
+    def wait_for_link(self, timeout: float) -> bool:
+        """Block until the background reconnect has a connection (True) or `timeout` seconds pass (False).
+
+        For apps that would rather wait than generate offline; the link is taken up at the next step."""
+        return self._link is not None or (self._reconnector is not None and
+                                          self._reconnector.take(timeout) is not None)
+
+    def close(self) -> None:
+        """Tell the server to drop the session and close the connection."""
+        if self._reconnector is not None:
+            self._reconnector.stop()
+        if self._link is not None:
+            try:
+                self._link.send(P.encode(P.CLOSE, {"session_id": self.session_id}))
+            except LinkDown:
+                pass
+            self._link.close()
+            self._link = None
+
+    def __enter__(self) -> "EdgeSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def _open(self) -> Link:
+        return Link.open(self.server, self.token, self.fingerprint, self.row_dtype, self.timeout_s)
+
+    def _send(self, frame: bytes) -> None:
+        self._link.send(frame)
+        self.stats.server_calls += 1
+        self.stats.bytes_up += len(frame)
+
+    def _receive(self) -> P.Message:
+        t = time.perf_counter()
+        try:
+            data = self._link.recv()
+        finally:
+            self.stats.network_wait_s += time.perf_counter() - t
+        self.stats.bytes_down += len(data)
+        msg = decode_reply(data)
+        self.stats.server_s += sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
+        return msg
+
+    def _request(self, msg_type: str, fields: dict[str, Any], tensors: dict[str, np.ndarray],
+                 reply_type: str) -> P.Message:
+        """One request and its reply. A dropped connection is reopened once and the very same frame (same seq)
+        sent again. Raises LinkDown (go offline) or ServerError."""
+        frame = P.encode(msg_type, {"session_id": self.session_id, **fields}, tensors)
+        try:
+            self._send(frame)
+            return expect(self._receive(), reply_type)
+        except LinkDown as e:
+            if e.timed_out:
+                raise
+            self._link.close()
+            self._link = self._open()
+            self.stats.retries += 1
+            self._send(frame)
+            return expect(self._receive(), reply_type)
+
+    def _commit(self, new: list[int], reply: P.Message) -> None:
+        """`new` tokens are now verified at `length` (their rows are in `reply`); the reply's next token follows."""
+        rows = P.decode_rows(reply.tensors)
+        self.tokens[self.length:] = new
+        self.rows = np.concatenate([self.rows, rows])
+        self.length += len(new)
+        if reply.fields["length"] != self.length or len(rows) != len(new):
+            raise EdgeError(f"the server's transcript ({reply.fields['length']} tokens, {len(rows)} new rows) "
+                            f"disagrees with the edge's ({self.length}, {len(new)})")
+        self.tokens.append(int(reply.fields["next_token"]))
+
+    # ---- speculative and offline generation -------------------------------------------------------------------
+    def _speculative(self, prompt: list[int], max_new: int, drop_after: int | None,
+                     offline_for: float | None) -> Iterator[Chunk]:
+        self._start(prompt, max_new)
+        while True:
+            yield from self._emit(max_new)
+            if self.result is not None:
+                return
+            if self._link is None:
+                self._adopt_link()
+            if self._link is None:
+                self._offline_step()
+            elif drop_after is not None and self.length - len(prompt) >= drop_after:
+                drop_after = None
+                self._go_offline(f"link dropped on purpose after {self.length - len(prompt)} verified tokens",
+                                 offline_for)
+            else:
+                self._verify_round()
+
+    def _start(self, prompt: list[int], max_new: int) -> None:
+        """A new generation: keep what the server has committed of this prompt, connect, sync."""
+        self.length = common_prefix(self.tokens[:self.length], prompt)  # memory rows still valid for this prompt
+        self.prompt, self.tokens, self.rows = list(prompt), list(prompt), self.rows[:self.length]
+        self._draft = self._offline = None
+        self._shown = ""
+        if self.mode == "offline":
+            return
+        if self._link is None:  # down since an earlier generation: one attempt now, else start offline
+            if self._reconnector is not None:
+                self._reconnector.stop()
+                self._reconnector = None
+            try:
+                self._link = self._open()
+            except LinkDown as e:
+                self._go_offline(str(e))
+                return
+        limit = self._link.welcome["limits"]["max_context"]
+        if len(prompt) + max_new + self.tree.total_tokens + 1 > limit:
+            raise EdgeError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new}) + tree "
+                            f"({self.tree.total_tokens}) is over the server's max_context ({limit})")
+        self._sync()
+
+    def _sync(self, lost: bool = False) -> None:
+        """Bring the server up to the edge's transcript; if the link fails meanwhile, go offline."""
+        try:
+            self._resync(lost)
+        except LinkDown as e:
+            self._go_offline(str(e))
+
+    def _resync(self, lost: bool = False) -> None:
+        """Make the server's transcript the edge's, then draft from the committed transcript again.
+
+        Normally a `resume` of the tokens after `length` (the pending root and whatever was made offline) under the
+        policy. When the server lacks the prompt (new generation) or the session (`lost`): `prefill` the tokens
+        it must take as given in this connection's session, then resume the rest."""
+        resumed = False
+        if not lost and len(self.prompt) <= self.length < len(self.tokens):
+            try:
+                self._resume()
+                resumed = True
+            except ServerError as e:
+                if e.code != P.E_UNKNOWN_SESSION:
+                    raise
+                lost = True
+        if not resumed:
+            if lost:
+                log.info("the server lost session %s: prefilling the transcript in a new one", self.session_id)
+            given = max(self.length, len(self.prompt))
+            tail = self.tokens[given:]
+            self.session_id = self._link.session_id
+            self.seq += 1
+            reply = self._request(P.PREFILL, {"seq": self.seq, **self._sampling}, token_tensor(self.tokens[:given]),
+                                  P.PREFILLED)
+            self.length, self.rows = 0, self.rows[:0]
+            self._commit(self.tokens[:given], reply)  # tokens: the given ones + the server's next token
+            if tail:  # the edge's own continuation stands: restore it and resume it
+                self.tokens[given:] = tail
+                self._resume()
+        self._draft = DraftSession(self.step)
+        self._draft.add_verified(self.tokens[:self.length], self.rows)
+        self._offline = None
+
+    def _resume(self) -> None:
+        sent = self.tokens[self.length:]
+        reply = self._request(P.RESUME, {"length": self.length, "policy": self.policy, **self._sampling},
+                              token_tensor(sent), P.RESUMED)
+        kept = reply.fields["accepted_upto"]
+        self._commit(sent[:kept], reply)
+        self.stats.rewound_tokens += len(sent) - kept
+        if len(sent) > 1:
+            log.info("resumed (%s): the server kept %d of %d offline tokens%s", self.policy, kept, len(sent),
+                     f", rewound {len(sent) - kept}" if kept < len(sent) else "")
+
+    def _verify_round(self) -> None:
+        root = self.tokens[-1]
+        t = time.perf_counter()
+        tree = self._draft.draft(root, self.tree, self._sampling["temperature"], self._rng)
+        self.stats.draft_s += time.perf_counter() - t
+        self.seq += 1
+        tensors = P.encode_tree(root, tree, with_q=self._sampling["temperature"] > 0)
+        try:
+            reply = self._request(P.VERIFY, {"seq": self.seq, **self._sampling}, tensors, P.VERIFIED)
+        except LinkDown as e:
+            self._go_offline(str(e))
+            return
+        except ServerError as e:
+            if e.code != P.E_UNKNOWN_SESSION:
+                raise
+            self._sync(lost=True)
+            return
+        path = [i - 1 for i in reply.fields["accepted"][1:]]
+        new = [root] + [int(tree.tokens[i]) for i in path]
+        self._draft.accept(tree, root, path, P.decode_rows(reply.tensors))
+        self._commit(new, reply)
+        self.stats.verify_calls += 1
+        self.stats.accepted_tokens += len(new)
+
+    def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
+        """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""
+        log.warning("offline: %s; generating with the edge drafter alone", reason)
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if reconnect_after is not None:
+            self._reconnector = Reconnector(self._open, reconnect_after, self.backoff_s)
+
+    def _adopt_link(self) -> None:
+        """Take up the background reconnect's link, if there is one yet, and resync."""
+        link = self._reconnector.take() if self._reconnector is not None else None
+        if link is None:
+            return
+        log.info("back online after %d attempt(s)", self._reconnector.attempts)
+        self._link, self._reconnector = link, None
+        self.stats.reconnects += 1
+        self._sync()
+
+    def _offline_step(self) -> None:
+        """One token from the drafter alone, memory frozen at the last verified token."""
+        t = time.perf_counter()
+        if self._offline is None:
+            self._offline = self._offline_drafter()
+        token = self._offline.next_token(self.tokens[-1], self._sampling["temperature"], self._rng)
+        self.stats.draft_s += time.perf_counter() - t
+        self.tokens.append(token)
+        self.stats.offline_tokens += 1
+
+    def _offline_drafter(self) -> DraftSession:
+        """A drafter over the transcript but its last token: committed tokens with their memory rows, later ones
+        (a new prompt's turn) fed with the memory frozen. Never synced (offline mode): no memory (zero rows)."""
+        drafter = DraftSession(self.step)
+        if self.length:
+            drafter.add_verified(self.tokens[:self.length], self.rows)
+            for token in self.tokens[self.length:-1]:
+                drafter.next_token(token)
+        else:
+            drafter.add_verified(self.tokens[:-1], np.zeros((len(self.tokens) - 1, self.bundle.row_width), np.float32))
+        return drafter
+
+    def _emit(self, max_new: int) -> Iterator[Chunk]:
+        """The text change since the last chunk; sets `result` once generation has ended."""
+        generated = self.tokens[len(self.prompt):]
+        out = generated[:max_new]
+        end = next((i + 1 for i, t in enumerate(out) if t in self.tokenizer.eos_token_ids), None)
+        out = out[:end]
+        done = end is not None or len(generated) >= max_new
+        text = self.tokenizer.decode(out)
+        if not done:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next token
+        keep = common_prefix(self._shown, text)
+        if keep < len(self._shown) or keep < len(text):
+            yield Chunk(text[keep:], rewind=len(self._shown) - keep, offline=self._link is None)
+            self._shown = text
+        if done:
+            self.result = Result(text, out, "eos" if end is not None else "length")
+
+    # ---- api mode ---------------------------------------------------------------------------------------------
+    def _api(self, prompt: list[int], max_new: int) -> Iterator[Chunk]:
+        """The server generates with the target alone and streams text (the baseline; no offline fallback)."""
+        if self._link is None:
+            self._link = self._open()
+        fields = {"max_new_tokens": max_new, **self._sampling, "drafter": "none"}
+        self._send(P.encode(P.GENERATE, fields, token_tensor(prompt)))
+        while (msg := self._receive()).type == P.TOKEN:
+            yield Chunk(msg.fields["text"])
+        f = expect(msg, P.DONE).fields
+        lengths = f["stats"].get("acceptance_lengths", [])
+        self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
+        self.stats.server_s = f["stats"].get("total_s", 0.0)
+        self.result = Result(f["text"], list(f["tokens"]), f["finish_reason"])
+
+
+class AsyncEdgeSession:
+    """asyncio front of EdgeSession: its blocking work (network, ONNX Runtime) runs in a worker thread.
+
+        session = await AsyncEdgeSession.open(bundle, server)
+        async for chunk in session.generate("Hello!"):
+            print(chunk, end="")
+        await session.close()
+    """
+
+    def __init__(self, session: EdgeSession):
+        self.session = session
+
+    @classmethod
+    async def open(cls, *args: Any, **kwargs: Any) -> "AsyncEdgeSession":
+        """Takes EdgeSession's arguments."""
+        return cls(await asyncio.to_thread(EdgeSession, *args, **kwargs))
+
+    async def generate(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Like EdgeSession.generate."""
+        chunks = self.session.generate(prompt, **kwargs)
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            yield chunk
+
+    @property
+    def stats(self) -> Stats:
+        return self.session.stats
+
+    @property
+    def result(self) -> Result | None:
+        return self.session.result
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.session.close)
