@@ -96,7 +96,11 @@ def auto_tree(engine, verbose: bool = True) -> TreeConfig:
     costs = measure(engine)
     tree, info = choose(agreement_table(engine.drafter), costs)
     if verbose:
+        vanilla = 1.0 / costs["verify_s"][1]
         print(f"tree auto: depth={tree.depth} topk={tree.topk} total_tokens={tree.total_tokens} "
-              f"(predicted {info['tokens_per_s']:.1f} tokens/s; verify of 1 token {costs['verify_s'][1]*1e3:.0f} ms, "
-              f"draft step {costs['draft_s'][1]*1e3:.1f} ms)", flush=True)
+              f"(predicted {info['tokens_per_s']:.1f} tokens/s vs vanilla {vanilla:.1f}; verify of 1 token "
+              f"{costs['verify_s'][1]*1e3:.0f} ms, draft step {costs['draft_s'][1]*1e3:.1f} ms)", flush=True)
+        if info["tokens_per_s"] < vanilla:
+            print("tree auto: warning: with this drafter's measured acceptance, speculation is predicted to be "
+                  "slower than vanilla decoding on this machine", flush=True)
     return tree
