@@ -6,11 +6,13 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-from server.app import App
-from server.auth import Credentials
 from server.config import ServerConfig, parse_args
-from server.session import Model
+
+if TYPE_CHECKING:  # torch and the models load after the command line is parsed, so --help is instant
+    from server.app import App
+    from server.session import Model
 
 log = logging.getLogger("moa.server")
 
@@ -21,6 +23,7 @@ def load_model(config: ServerConfig) -> Model:
 
     from models.drafter import load_drafter
     from models.target import load_target
+    from server.session import Model
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -46,11 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from models.drafter import FingerprintMismatch
     from models.target import TargetLoadError
+    from server.app import App
+    from server.auth import Credentials
 
     try:
         model = load_model(config)
     except (TargetLoadError, FingerprintMismatch, FileNotFoundError) as e:
-        sys.exit(f"moa-server: {e}")
+        hint = " (--drafter none serves generate only)" if isinstance(e, FileNotFoundError) else ""
+        sys.exit(f"moa-server: {e}{hint}")
     asyncio.run(serve_until_signal(App(model, Credentials(config.tokens)), config))
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import ssl
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.auth import TOKENS_ENV, load_tokens
-from server.session import Limits
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -33,6 +33,20 @@ examples:
   moa-server --host 0.0.0.0 --tokens-file tokens.txt --certfile cert.pem --keyfile key.pem
   moa-server --target meta-llama/Llama-3.1-8B-Instruct --drafter runs/llama-moa --device cuda --dtype float16
 """
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int = 64
+    max_context: int = 4096
+    max_tree_tokens: int = 128
+    max_message_bytes: int = 1 << 20
+    idle_timeout_s: float = 300.0
+
+    def public(self) -> dict[str, Any]:
+        """The limits a `welcome` announces."""
+        return {"max_context": self.max_context, "max_tree_tokens": self.max_tree_tokens,
+                "max_message_bytes": self.max_message_bytes, "idle_timeout_s": self.idle_timeout_s}
 
 
 @dataclass

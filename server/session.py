@@ -23,6 +23,7 @@ from models.drafter import Drafter
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
+from server.config import Limits
 
 
 def _sha16(*chunks: bytes) -> str:
@@ -49,20 +50,6 @@ def bundle_fingerprint(target: Target, drafter: Drafter | None) -> str:
     vocab = json.dumps(sorted(target.tokenizer.get_vocab().items()), separators=(",", ":")).encode()
     memory = drafter_fingerprint(drafter) if drafter is not None else "none"
     return f"tokenizer={_sha16(vocab)};target={target.fingerprint};memory={memory}"
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_sessions: int = 64
-    max_context: int = 4096
-    max_tree_tokens: int = 128
-    max_message_bytes: int = 1 << 20
-    idle_timeout_s: float = 300.0
-
-    def public(self) -> dict[str, Any]:
-        """The limits a `welcome` announces."""
-        return {"max_context": self.max_context, "max_tree_tokens": self.max_tree_tokens,
-                "max_message_bytes": self.max_message_bytes, "idle_timeout_s": self.idle_timeout_s}
 
 
 @dataclass

@@ -4,6 +4,7 @@ edge's speculative loop in its simplest form. The real edge client is `edge_clie
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,8 @@ from server.app import App
 class ServerThread:
     """`with ServerThread(app) as server:` serves `app` on a loopback port (any free one) until the block ends."""
 
-    def __init__(self, app: App, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
+    def __init__(self, app: App, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None):
+        self.app, self.host, self.port, self.ssl_context = app, host, port, ssl_context
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -30,12 +31,12 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}"
+        return f"{'wss' if self.ssl_context else 'ws'}://{self.host}:{self.port}"
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
-            async with self.app.serve(self.host, self.port) as server:
+            async with self.app.serve(self.host, self.port, self.ssl_context) as server:
                 self.port = server.sockets[0].getsockname()[1]
                 self._ready.set()
                 await self._stop.wait()
@@ -67,10 +68,11 @@ class ServerError(Exception):
 class Client:
     """A blocking protocol client over one websocket connection."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 120.0):
+    def __init__(self, url: str, token: str | None = None, timeout: float = 120.0,
+                 ssl_context: ssl.SSLContext | None = None):
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self.ws: ClientConnection = connect(url, additional_headers=headers, max_size=None, open_timeout=timeout,
-                                            compression=None, legacy=True)
+                                            compression=None, ssl=ssl_context, legacy=True)
         self.timeout = timeout
 
     def __enter__(self) -> "Client":
