@@ -49,6 +49,7 @@ from models.defaults import resolve_drafter_path
 from models.drafter import Drafter, FingerprintMismatch, load_drafter, read_drafter_config
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetLoadError, load_target
+from server.session import bundle_fingerprint
 
 OPSET = 23
 DTYPES = ("fp32", "fp16", "int8")
@@ -249,6 +250,7 @@ def bundle_metadata(drafter: Drafter, target: Target, source: Path, dtype: str, 
         "opset": OPSET,
         "protocol_version": PROTOCOL_VERSION,
         "target": {"name": target.name, "fingerprint": drafter.target_fingerprint},
+        "fingerprint": bundle_fingerprint(target, drafter),  # what the edge sends in hello (tokenizer+target+memory)
         "drafter": {"source": str(source), "config": asdict(drafter.config)},
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
