@@ -1,0 +1,1 @@
+"""Drafter -> edge bundle export (to_onnx) and the ONNX Runtime draft-step benchmark (bench_ort)."""
