@@ -1,5 +1,6 @@
-"""Prompt-lookup decoding: the n-gram search, the chain it drafts, lossless greedy and sampling."""
+"""Prompt-lookup decoding: the n-gram search, the chain it drafts, lossless greedy and sampling; the generate CLI."""
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -65,3 +66,18 @@ def test_lookup_sampling_keeps_the_target_distribution():
         runner.crop(len(prompt))
     assert chi_square_p(counts, joint_first_two(tiny, prompt, root, sampling), n) > 1e-3
     assert counts[(4, 9)] > 0 and np.isclose(sum(counts.values()), n)
+
+
+def test_generate_cli(tmp_path, capsys):
+    from models.generate import main
+
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "abc abc abc"}]}))
+    main(["--chat", str(chat), "--drafter", "lookup", "--target", "tiny", "--dtype", "float64", "--max-new-tokens",
+          "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert {"text", "token_ids", "stats", "finish_reason"} <= set(out) and len(out["token_ids"]) <= 20
+    assert {"tau", "tokens_per_s", "target_forwards", "drafter_calls", "draft_s", "verify_s"} <= set(out["stats"])
+    main(["hello", "--drafter", "none", "--target", "tiny", "--dtype", "float64", "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.err and captured.out.endswith("\n")

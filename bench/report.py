@@ -1,0 +1,81 @@
+"""results.json -> a markdown table (results.md) and a bar chart of speedup and tau per method and category."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLUMNS = (("tau", "tau", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+           ("median tokens/s", "tokens_per_s_median", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("target fwd/token", "target_forwards_per_token", "{:.3f}"),
+           ("matches vanilla", "outputs_match_vanilla", "{:.0%}"))
+
+
+def groups(results: dict) -> list[str]:
+    """'all', then the categories when there are several."""
+    cats = list(next(iter(results["methods"].values()))["per_category"])
+    return ["all"] + (cats if len(cats) > 1 else [])
+
+
+def figures(results: dict, method: str, group: str) -> dict:
+    m = results["methods"][method]
+    return m if group == "all" else m["per_category"][group]
+
+
+def cell(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown_table(results: dict) -> str:
+    header = ["method", "prompts"] + [c[0] for c in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group in groups(results):
+        for method in results["methods"]:
+            fig = figures(results, method, group)
+            lines.append("| " + " | ".join([method, group] + [cell(fig[k], f) for _, k, f in COLUMNS]) + " |")
+    return "\n".join(lines)
+
+
+def settings_line(results: dict) -> str:
+    s = results["settings"]
+    trees = ", ".join(f"{m} {t}" for m, t in s["tree"].items() if t != "none")
+    return (f"{s['target']} on {s['machine']['processor']} ({s['threads']} threads, {s['device']}, {s['dtype']}), "
+            f"torch {s['torch']}; {s['n_prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
+            f"temperature {s['temperature']}; trees (depth,topk,total): {trees or 'none'}; {s['date']}")
+
+
+def write_markdown(results: dict, path: str | Path, image: str | None = None) -> str:
+    text = f"# Single-device benchmark\n\n{settings_line(results)}\n\n{markdown_table(results)}\n"
+    if image:
+        text += f"\n![speedup and tau]({image})\n"
+    Path(path).write_text(text)
+    return text
+
+
+def plot(results: dict, path: str | Path) -> None:
+    """Two panels (speedup, tau), bars per method grouped by 'all' and category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = groups(results)
+    methods = list(results["methods"])
+    x = np.arange(len(names))
+    width = 0.8 / len(methods)
+    fig, axes = plt.subplots(1, 2, figsize=(5 + 2 * len(names), 4))
+    for ax, key, title in ((axes[0], "speedup", "speedup over vanilla (tokens/s)"),
+                           (axes[1], "tau", "tau (tokens per target forward)")):
+        for i, method in enumerate(methods):
+            values = [figures(results, method, g)[key] or 0.0 for g in names]
+            bars = ax.bar(x + (i - (len(methods) - 1) / 2) * width, values, width, label=method)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(x, names)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    s = results["settings"]
+    fig.suptitle(f"{s['target']}, {s['n_prompts']} prompts, {s['threads']} threads, T={s['temperature']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,96 @@
+"""The single-device benchmark: Spec-Bench prompts, multi-turn chats, results.json / results.md / PNG end to end."""
+
+import json
+
+import pytest
+
+from bench.__main__ import main
+from bench.prompts import Prompt, PromptsError, humaneval_prompts, read_prompts
+from bench.single import METHODS, run_prompt
+from models.engine import GenerationResult, GenerationStats
+from tests.helpers import train_tiny
+
+FIGURES = {"tau", "tokens_per_s", "tokens_per_s_median", "speedup", "target_forwards_per_token",
+           "outputs_match_vanilla"}
+SETTINGS = {"machine", "threads", "torch", "tree", "max_new_tokens", "temperature", "n_prompts", "target", "drafters",
+            "date"}
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def two_prompts(tmp_path):
+    return write_jsonl(tmp_path / "prompts.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": ["hello there", "and now?"]},
+        {"question_id": "q2", "category": "qa", "turns": ["what is it"]},
+    ])
+
+
+def test_spec_bench_multi_turn_parsing(two_prompts, tmp_path):
+    prompts = read_prompts(two_prompts)
+    assert prompts == [Prompt("1", "writing", ["hello there", "and now?"]), Prompt("q2", "qa", ["what is it"])]
+    no_category = write_jsonl(tmp_path / "c.jsonl", [{"question_id": 7, "turns": ["hi"]}])
+    assert read_prompts(no_category)[0].category == "default"
+    code = humaneval_prompts()
+    assert len(code) == 164 and code[0].category == "code" and "def has_close_elements" in code[0].turns[0]
+
+
+def test_turns_run_as_one_chat():
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def generate(self, messages, **kw):
+            self.seen.append([dict(m) for m in messages])
+            stats = GenerationStats(new_tokens=2, target_forwards=2, acceptance_lengths=[2], total_s=0.5)
+            return GenerationResult(f"answer {len(self.seen)}", [5, 6], stats, "eos")
+
+    engine = Recorder()
+    run = run_prompt(engine, "vanilla", Prompt("1", "c", ["first", "second"]), seed=0, max_new_tokens=4)
+    assert engine.seen[1] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "answer 1"},
+                              {"role": "user", "content": "second"}]
+    assert run.texts == ["answer 1", "answer 2"] and run.new_tokens == 4 and run.rounds == 2 and run.gained == 4
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"question_id": 1, "category": "x"}, "'turns'"),
+    ({"question_id": 1, "turns": []}, "'turns'"),
+    ({"category": "x", "turns": ["hi"]}, "'question_id'"),
+])
+def test_bad_prompts_file_is_a_clear_error(tmp_path, row, problem):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 0, "turns": ["fine"]}, row])
+    with pytest.raises(PromptsError, match=rf"bad.jsonl:2: .*{problem}"):
+        read_prompts(path)
+    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+        main(["single", "--prompts", str(path), "--out", str(tmp_path / "out"), "--target", "tiny"])
+
+
+def test_bench_end_to_end(tiny, two_prompts, tmp_path):
+    for arch in ("moa", "eagle"):
+        train_tiny(tiny, arch, steps=30).save_pretrained(tmp_path / arch)
+    out = tmp_path / "bench"
+    main(["single", "--prompts", str(two_prompts), "--methods", "vanilla,lookup,moa,eagle", "--max-new-tokens", "16",
+          "--out", str(out), "--target", "tiny", "--dtype", "float64", "--moa", str(tmp_path / "moa"),
+          "--eagle", str(tmp_path / "eagle"), "--tree", "4,2,8", "--no-progress"])
+    results = json.loads((out / "results.json").read_text())
+    settings = results["settings"]
+    assert SETTINGS <= set(settings) and settings["n_prompts"] == 2
+    assert settings["tree"] == {"vanilla": "none", "lookup": "4,2,8", "moa": "4,2,8", "eagle": "4,2,8"}
+    assert {"platform", "processor", "cpu_count"} <= set(settings["machine"])
+    assert set(settings["drafters"]) == {"moa", "eagle"}
+    assert list(results["methods"]) == ["vanilla", "lookup", "moa", "eagle"]
+    for name, fig in results["methods"].items():
+        assert name in METHODS and FIGURES <= set(fig)
+        assert fig["outputs_match_vanilla"] == 1.0, name
+        assert set(fig["per_category"]) == {"writing", "qa"}
+        assert all(FIGURES <= set(c) for c in fig["per_category"].values())
+        assert fig["tau"] >= 1.0
+    assert results["methods"]["vanilla"]["speedup"] == 1.0 and results["methods"]["vanilla"]["tau"] == 1.0
+    assert (out / "results.png").stat().st_size > 0
+    table = (out / "results.md").read_text()
+    assert "| moa | all |" in table and "| eagle | qa |" in table
+    assert len((out / "outputs.jsonl").read_text().splitlines()) == 8
+    assert len(read_prompts(out / "prompts.jsonl")) == 2
