@@ -96,7 +96,7 @@ def test_self_attention_is_causal_and_tree_masked(tiny, drafter):
 def test_training_forward_equals_token_by_token_drafting(tiny, drafter):
     ids, step, last, _ = sequence(tiny, seed=3)
     sa, mm = masks(last)
-    train = drafter.train_forward(ids, step, positions(), sa, mm).logits[0]
+    train = drafter.lm_head(drafter.train_forward(ids, step, positions(), sa, mm).features)[0]
     mem = drafter.memory_rows(step, positions())
     hk, d = drafter.cache_shape()
     k = torch.zeros(1, hk, 0, d, dtype=torch.float64)
