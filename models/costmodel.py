@@ -52,7 +52,7 @@ def measure(engine, context: int = 256) -> dict:
         runner.forward(ids[:n])
         runner.crop(context)
 
-    sizes = sorted({1 + d * w for d in DEPTHS for w in WIDTHS if 1 + d * w <= 65})
+    sizes = sorted({1} | {1 + d * w for d in DEPTHS for w in WIDTHS if 1 + d * w <= 65})
     probe = [s for s in (1, 4, 8, 16, 32, 64) if s <= max(sizes)] + [max(sizes)]
     measured = {n: _time(lambda: verify(n)) for n in sorted(set(probe))}
     xs = sorted(measured)
