@@ -34,12 +34,14 @@ def parse_tree(text: str) -> TreeConfig | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moa-edge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="moa-edge", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="one user turn; without it, an interactive chat (/exit or EOF ends it)")
     p.add_argument("--bundle", help="edge bundle directory (default: the shipped MoA drafter's, exported on first "
                    "use under $MOA_CACHE or ~/.cache/moa-edge/bundles/default-moa)")
     p.add_argument("--server", default=DEFAULT_SERVER, help="ws:// or wss:// URL (default: %(default)s)")
-    p.add_argument("--token", default=os.environ.get("MOA_TOKEN"), help="the server's bearer token (default: $MOA_TOKEN)")
+    p.add_argument("--token", default=os.environ.get("MOA_TOKEN"),
+                   help="the server's bearer token (default: $MOA_TOKEN)")
     p.add_argument("--mode", choices=MODES, default="speculative",
                    help="speculative: draft here, verify on the server; api: the server generates (baseline); "
                    "offline: never connect (default: %(default)s)")

@@ -196,8 +196,8 @@ class Link:
         """Connect and say hello. Raises ServerError (auth, fingerprint: fatal) or LinkDown (try again later)."""
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
-            ws = connect(url, additional_headers=headers, open_timeout=timeout_s, max_size=None, compression=None,
-                         legacy=True)
+            ws = connect(url, additional_headers=headers, open_timeout=timeout_s, close_timeout=1, max_size=None,
+                         compression=None, legacy=True)
         except InvalidURI:
             raise EdgeError(f"bad server URL {url!r}: expected ws://HOST:PORT or wss://HOST:PORT") from None
         except InvalidStatus as e:

@@ -1,0 +1,297 @@
+"""The edge client against real verify-server processes on loopback, with a tiny target and a tiny exported bundle:
+greedy speculative output equals the server's own generation (api mode), a lost reply is retried with its seq, a
+killed server is survived offline and resumed after a restart, `verify` rewinds to the target's text, offline mode
+needs no server, and a wrong token or a bundle for another model fail clearly before any generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pytest
+import torch
+
+from edge_client import protocol as P
+from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError
+from export.to_onnx import export_bundle
+from models.target import load_target
+from models.tiny import tiny_target
+from tests.helpers import train_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "edge-test-token"
+TREE = "4,2,8"
+NEW = 48
+PROMPT = "hello there"
+FAST_BACKOFF = (0.05, 0.3)
+
+
+def varied_target(path: Path):
+    """The tiny Llama with an untied random LM head, saved as a Hugging Face model and loaded back as the server
+    loads it. The shipped tiny target repeats one token; this one's greedy text varies, so offline text diverges."""
+    target = tiny_target(dtype=torch.float32)
+    model = target.model
+    with torch.no_grad():
+        weight = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    model.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return load_target(str(path))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server` for the test target and drafter on a loopback port, with the test token."""
+
+    def __init__(self, target: Path, drafter: Path):
+        self.args = ["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--log-level", "warning"]
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MOA_TOKENS": TOKEN, "PYTHONPATH": str(ROOT)}
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", *self.args, "--port", str(self.port)], cwd=ROOT,
+                                     env=env, stderr=self.log, text=True)
+        return self
+
+    def wait_ready(self, timeout: float = 300) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5):
+                    return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    raise RuntimeError(f"the server did not start: {self.log.read()}")
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no goodbye to the clients."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> Iterator[dict]:
+    """The target, drafter and bundle on disk, and three servers: one shared, two to crash."""
+    root = tmp_path_factory.mktemp("client")
+    target = varied_target(root / "target")
+    train_tiny(target, "moa", steps=100).save_pretrained(root / "drafter")
+    servers = {name: ServerProcess(root / "target", root / "drafter").start() for name in ("main", "crash1", "crash2")}
+    export_bundle(root / "drafter", root / "bundle", "fp32", target, parity_prompts=(PROMPT,), heldout_prompts=(),
+                  log=lambda s: None)
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        yield {"target": target, "bundle": root / "bundle", **servers}
+    finally:
+        for server in servers.values():
+            if server.proc.poll() is None:
+                server.kill()
+
+
+def session(env: dict, server: str = "main", **kw) -> EdgeSession:
+    return EdgeSession(env["bundle"], env[server].url, TOKEN, threads=1, **{"tree": TREE, **kw})
+
+
+@pytest.fixture(scope="module")
+def api(env) -> EdgeSession:
+    with session(env, mode="api") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(api) -> list[int]:
+    """The server's own greedy generation for PROMPT."""
+    out = api.complete(PROMPT, max_new_tokens=NEW).token_ids
+    assert len(out) == NEW and len(set(out)) > 4  # a real text, not one token repeated
+    return out
+
+
+def apply(chunks: Iterable[Chunk], text: str = "") -> str:
+    """What a reader of the stream sees: each chunk deletes `rewind` characters, then appends itself."""
+    for chunk in chunks:
+        text = text[:len(text) - chunk.rewind] + chunk
+    return text
+
+
+def pull_until(chunks: Iterator[Chunk], done) -> list[Chunk]:
+    out = []
+    while not done():
+        out.append(next(chunks))
+    return out
+
+
+def edge_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "edge_client", "--threads", "1", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ---- online ---------------------------------------------------------------------------------------------------
+def test_cli_speculative_equals_api(env, reference):
+    runs = {}
+    for mode in ("api", "speculative"):
+        out = edge_cli(PROMPT, "--bundle", str(env["bundle"]), "--server", env["main"].url, "--token", TOKEN,
+                       "--mode", mode, "--tree", TREE, "--max-new-tokens", str(NEW), "--json")
+        assert out.returncode == 0, out.stderr
+        runs[mode] = json.loads(out.stdout)
+    api, spec = runs["api"], runs["speculative"]
+    assert spec["token_ids"] == api["token_ids"] == reference and spec["text"] == api["text"]
+    stats = spec["stats"]
+    for key in ("new_tokens", "tau", "server_calls", "offline_tokens", "tokens_per_s", "bytes_up", "bytes_down",
+                "network_wait_s", "mode"):
+        assert key in stats
+    assert stats["mode"] == "speculative" and stats["new_tokens"] == NEW and stats["offline_tokens"] == 0
+    assert stats["tau"] > 1.2 and stats["server_calls"] < NEW  # drafts really get accepted
+    assert api["stats"]["mode"] == "api" and api["stats"]["server_calls"] == 1
+
+
+@pytest.mark.parametrize("row_dtype", ["fp16", "int8"])
+def test_session_streams_the_api_text(env, api, reference, row_dtype):
+    with session(env, row_dtype=row_dtype) as s:
+        for prompt in (PROMPT, [{"role": "user", "content": "What is 2 plus 2?"}]):
+            chunks = list(s.generate(prompt, max_new_tokens=NEW))
+            want = reference if prompt == PROMPT else api.complete(prompt, max_new_tokens=NEW).token_ids
+            assert s.result.token_ids == want and apply(chunks) == s.result.text
+            assert not any(c.rewind or c.offline for c in chunks) and s.stats.verify_calls < NEW
+
+
+def test_async_session(env, reference):
+    async def run() -> tuple[str, list[int]]:
+        s = await AsyncEdgeSession.open(env["bundle"], env["main"].url, TOKEN, tree=TREE, threads=1)
+        text = "".join([chunk async for chunk in s.generate(PROMPT, max_new_tokens=NEW)])
+        await s.close()
+        return text, s.result.token_ids
+
+    text, ids = asyncio.run(run())
+    assert ids == reference and text
+
+
+def test_lost_reply_is_retried_with_the_same_seq(env, reference):
+    with session(env) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW)
+        shown = pull_until(chunks, lambda: s.stats.verify_calls >= 2)
+        link, sid, recv = s._link, s.session_id, s._link.recv
+
+        def lose_reply() -> bytes:  # the server answered, the answer never arrived
+            recv()
+            raise LinkDown("reply lost")
+
+        link.recv = lose_reply
+        shown += list(chunks)
+        assert s.stats.retries == 1 and s.stats.offline_tokens == 0 and s.session_id == sid and s._link is not link
+        assert s.result.token_ids == reference and apply(shown) == s.result.text
+
+
+# ---- offline and resync ---------------------------------------------------------------------------------------
+def test_killed_server_finishes_offline(env, reference, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    with session(env, "crash1", backoff_s=FAST_BACKOFF) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW)
+        shown = pull_until(chunks, lambda: s.length - len(s.prompt) >= 8)
+        verified = s.length - len(s.prompt)
+        env["crash1"].kill()
+        shown += list(chunks)
+        out = s.result.token_ids
+        assert out[:verified] == reference[:verified]  # nothing lost, nothing repeated
+        assert len(out) == NEW or s.result.finish_reason == "eos"
+        assert s.stats.offline_tokens > 0 and not s.online and "offline" in caplog.text
+        assert apply(shown) == s.result.text == s.tokenizer.decode(out)
+        assert any(c.offline for c in shown) and not any(c.rewind for c in shown)
+
+        # the next turn starts while the server is still down: offline, memory from the earlier turn
+        turn = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": s.result.text},
+                {"role": "user", "content": "more"}]
+        chunks = list(s.generate(turn, max_new_tokens=12))
+        assert 0 < len(s.result.token_ids) == s.stats.offline_tokens <= 12 and apply(chunks) == s.result.text
+
+
+def test_restart_resumes_and_verify_rewinds_to_the_api_text(env, reference, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    server = env["crash2"]
+    with session(env, "crash2", on_reconnect="verify", backoff_s=FAST_BACKOFF) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW)
+        shown = pull_until(chunks, lambda: s.length - len(s.prompt) >= 8)
+        server.kill()
+        shown += pull_until(chunks, lambda: s.stats.offline_tokens >= 8)
+        calls = s.stats.verify_calls
+        server.start().wait_ready()
+        assert s.wait_for_link(60)
+        shown += list(chunks)
+        assert s.stats.reconnects == 1 and s.stats.verify_calls > calls  # later tokens are verified again
+        assert "lost session" in caplog.text  # a restarted server: the transcript was prefilled again
+        assert s.result.token_ids == reference  # greedy + verify: exactly the target's text
+        assert apply(shown) == s.result.text
+        assert s.stats.rewound_tokens > 0 and any(c.rewind for c in shown)
+
+
+def test_dropped_link_resumes_with_keep(env, api, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    with session(env, row_dtype="int8", backoff_s=FAST_BACKOFF) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW, drop_after=8, offline_for=1.0)
+        shown = pull_until(chunks, lambda: s.stats.offline_tokens >= 6)
+        assert not s.online and s.wait_for_link(30)
+        offline_end, sent = len(s.tokens), len(s.tokens) - s.length  # the pending root and the offline tokens
+        shown += list(chunks)
+        kept = s.tokens[:offline_end]
+        assert s.stats.reconnects == 1 and s.stats.rewound_tokens == 0 and f"kept {sent} of {sent}" in caplog.text
+        assert s.result.token_ids[:offline_end - len(s.prompt)] == kept[len(s.prompt):]  # the offline text stands
+        # after the resume, the target's greedy continuation of the kept transcript, verified again
+        rest = s.result.token_ids[offline_end - len(s.prompt):]
+        assert api.complete(kept, max_new_tokens=len(rest)).token_ids == rest
+        assert apply(shown) == s.result.text
+
+
+def test_offline_mode_needs_no_server(env):
+    out = edge_cli(PROMPT, "--bundle", str(env["bundle"]), "--server", f"ws://127.0.0.1:{free_port()}", "--mode",
+                   "offline", "--max-new-tokens", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    stats = result["stats"]
+    assert len(result["token_ids"]) == stats["new_tokens"] == stats["offline_tokens"] == 16
+    assert stats["server_calls"] == 0 and stats["mode"] == "offline"
+
+
+# ---- clear errors before generation ---------------------------------------------------------------------------
+def test_wrong_token(env):
+    out = edge_cli(PROMPT, "--bundle", str(env["bundle"]), "--server", env["main"].url, "--token", "wrong")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "rejected the token" in out.stderr and "--token" in out.stderr
+    with pytest.raises(ServerError) as info:
+        EdgeSession(env["bundle"], env["main"].url, None, threads=1)
+    assert info.value.code == P.E_AUTH
+
+
+def test_bundle_for_another_model_is_refused(env, tmp_path):
+    bundle = shutil.copytree(env["bundle"], tmp_path / "bundle")
+    meta = json.loads((bundle / "bundle.json").read_text())
+    meta["fingerprint"] = meta["fingerprint"].replace("memory=", "memory=0")
+    (bundle / "bundle.json").write_text(json.dumps(meta))
+    out = edge_cli(PROMPT, "--bundle", str(bundle), "--server", env["main"].url, "--token", TOKEN)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "fingerprint" in out.stderr and "memory differ" in out.stderr
