@@ -3,7 +3,6 @@
 import json
 from collections import Counter
 
-import numpy as np
 import torch
 
 from edge_client.tree import TreeConfig
@@ -65,7 +64,7 @@ def test_lookup_sampling_keeps_the_target_distribution():
         counts[tuple(seq[:2])] += 1
         runner.crop(len(prompt))
     assert chi_square_p(counts, joint_first_two(tiny, prompt, root, sampling), n) > 1e-3
-    assert counts[(4, 9)] > 0 and np.isclose(sum(counts.values()), n)
+    assert counts[(4, 9)] > 0  # the drafted chain does get accepted
 
 
 def test_generate_cli(tmp_path, capsys):
