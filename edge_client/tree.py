@@ -11,7 +11,7 @@ from the drafter's (top-K truncated) distribution q, and the verifier needs q: `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -46,10 +46,9 @@ from edge_client.protocol import PROTOCOL_VERSION
 from edge_client.runtime import OUTPUTS, OrtDraftStep
 from edge_client.tree import TreeConfig
 from models.defaults import resolve_drafter_path
-from models.drafter import Drafter, FingerprintMismatch, load_drafter, read_drafter_config
+from models.drafter import Drafter, FingerprintMismatch, bundle_fingerprint, load_drafter, read_drafter_config
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetLoadError, load_target
-from server.session import bundle_fingerprint
 
 OPSET = 23
 DTYPES = ("fp32", "fp16", "int8")

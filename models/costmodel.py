@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from edge_client.tree import TreeConfig
 from models.evaluate import expected_tau
@@ -45,7 +44,7 @@ def measure(engine, context: int = 256) -> dict:
     """Target forward time by token count and drafter step time by node count, on this machine."""
     target = engine.target
     runner = target.new_runner()
-    ids = list(range(10, 10 + context))
+    ids = [i % target.spec.vocab_size for i in range(10, 10 + context)]  # any in-vocabulary ids will do
     runner.forward(ids)
 
     def verify(n):
@@ -66,7 +65,7 @@ def measure(engine, context: int = 256) -> dict:
 
     def draft(n):
         mask = np.zeros((n, context + n), dtype=np.float32)
-        step(np.arange(n) + 10, np.arange(n) + context, k, k, mask, memory, feats[:n])
+        step(np.array(ids[:n]), np.arange(n) + context, k, k, mask, memory, feats[:n])
 
     draft_s = {w: _time(lambda: draft(w)) for w in WIDTHS}
     return {"verify_s": verify_s, "draft_s": draft_s}

@@ -11,6 +11,7 @@ The token embedding and the LM head are the target's (frozen, shared); checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.target import Target, TargetStep
+from models.target import Target, TargetStep, hash_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -196,3 +197,20 @@ def distill_loss(
     acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean() if len(pos[0]) else l1 * 0
     loss = l1 + ce_weight * ce
     return loss, {"loss": loss.item(), "smooth_l1": l1.item(), "ce": ce.item(), "top1": acc.item()}
+
+
+def drafter_fingerprint(drafter: Drafter) -> str:
+    """Architecture, config and weights (as float16, like the target's) of a drafter: 16 hex digits."""
+    h = hashlib.sha256(json.dumps({"arch": drafter.arch, "config": asdict(drafter.config)}, sort_keys=True).encode())
+    hash_weights(h, drafter.trainable_state_dict())
+    return h.hexdigest()[:16]
+
+
+def bundle_fingerprint(target: Target, drafter: Drafter | None) -> str:
+    """What an edge bundle and the server must share: `tokenizer=<hex>;target=<hex>;memory=<hex>`.
+
+    `memory=none` when the server has no drafter; `protocol.fingerprint_diff` names the parts that differ.
+    """
+    vocab = json.dumps(sorted(target.tokenizer.get_vocab().items()), separators=(",", ":")).encode()
+    memory = drafter_fingerprint(drafter) if drafter is not None else "none"
+    return f"tokenizer={hashlib.sha256(vocab).hexdigest()[:16]};target={target.fingerprint};memory={memory}"

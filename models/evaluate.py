@@ -13,7 +13,7 @@ import torch
 
 from models.data import Encoded
 from models.drafter import Drafter
-from models.target import Target, TargetStep
+from models.target import Target
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
@@ -227,24 +228,11 @@ def tree_attention_mask(parents: Sequence[int], dtype=torch.float32, device=None
 
     Node i sees itself and its ancestors. Parents must precede their children.
     """
-    n = len(parents)
-    visible = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"node {i} has parent {p}: a parent must precede its child")
-        if p >= 0:
-            visible[i] = visible[p]
-        visible[i, i] = True
-    mask = torch.zeros(n, n, dtype=dtype, device=device)
+    from edge_client.tree import ancestor_matrix
+
+    visible = torch.from_numpy(ancestor_matrix(np.asarray(parents)))
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     return mask.masked_fill(~visible.to(device), NEG_INF)
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of every node (a node attached to the context has depth 0)."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -264,11 +252,16 @@ def compute_fingerprint(model, tokenizer) -> str:
     h.update(json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":")).encode())
     spec = TargetSpec.from_config("", model.config)
     h.update(json.dumps({k: v for k, v in asdict(spec).items() if k != "name"}, sort_keys=True).encode())
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        # float16 so that the same weights loaded in fp32 or fp16 (e.g. a GPU server) give the same fingerprint
-        h.update(p.detach().to(torch.float16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+    hash_weights(h, model.state_dict())
     return h.hexdigest()[:16]
+
+
+def hash_weights(h, state: dict[str, torch.Tensor]) -> None:
+    """Feed a state dict into a hash as float16, so fp32 and fp16 copies of the same weights (a CPU export, a
+    GPU server) hash alike."""
+    for name, p in sorted(state.items()):
+        h.update(name.encode())
+        h.update(p.detach().to(torch.float16).cpu().contiguous().view(torch.int16).numpy().tobytes())
 
 
 def _default_target_dir() -> Path:

@@ -7,11 +7,9 @@ Replies are encoded frames (docs/protocol.md); the last prefill/verify reply is 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -19,37 +17,11 @@ import torch
 
 from edge_client import protocol as P
 from edge_client.tree import DraftTree
-from models.drafter import Drafter
+from models.drafter import Drafter, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
 from server.config import Limits
-
-
-def _sha16(*chunks: bytes) -> str:
-    h = hashlib.sha256()
-    for chunk in chunks:
-        h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def drafter_fingerprint(drafter: Drafter) -> str:
-    """Architecture, config and weights (as float16, like the target's) of a drafter: 16 hex digits."""
-    meta = json.dumps({"arch": drafter.arch, "config": asdict(drafter.config)}, sort_keys=True).encode()
-    weights = (part for name, p in sorted(drafter.trainable_state_dict().items())
-               for part in (name.encode(), p.detach().to(torch.float16).cpu().contiguous().view(torch.int16)
-                            .numpy().tobytes()))
-    return _sha16(meta, *weights)
-
-
-def bundle_fingerprint(target: Target, drafter: Drafter | None) -> str:
-    """What `hello.fingerprint` must equal: `tokenizer=<hex>;target=<hex>;memory=<hex>` (memory=none: no drafter).
-
-    The exporter records this string in the edge bundle; `protocol.fingerprint_diff` names the parts that differ.
-    """
-    vocab = json.dumps(sorted(target.tokenizer.get_vocab().items()), separators=(",", ":")).encode()
-    memory = drafter_fingerprint(drafter) if drafter is not None else "none"
-    return f"tokenizer={_sha16(vocab)};target={target.fingerprint};memory={memory}"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from tests.helpers import greedy_continuations, train_tiny
 ROOT = Path(__file__).resolve().parents[1]
 TREE = TreeConfig(4, 2, 8)
 NEW = 40
-LIMITS = Limits(max_sessions=8, max_context=256, max_tree_tokens=32, max_message_bytes=1 << 16, idle_timeout_s=60)
+LIMITS = Limits(max_sessions=64, max_context=256, max_tree_tokens=32, max_message_bytes=1 << 16, idle_timeout_s=60)
 
 
 @pytest.fixture(scope="module", autouse=True)
