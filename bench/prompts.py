@@ -1,6 +1,7 @@
 """Benchmark prompts in Spec-Bench format: one JSON object a line with `question_id`, `category` and `turns`
-(the user turns of a multi-turn chat). Ready-made sets: `sharegpt` (first user turn of each held-out conversation),
-`humaneval` (complete a function) and `mixed` (both, alternating).
+(the user turns of a multi-turn chat). Ready-made sets: `sharegpt` (first user turn of each held-out conversation;
+shipped as `bench/sharegpt_heldout.jsonl`, the split the default drafters never trained on), `humaneval` (complete a
+function) and `mixed` (both, alternating).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import asdict, dataclass
 from itertools import chain, zip_longest
 from pathlib import Path
 
-HELDOUT = Path(__file__).resolve().parent.parent / "data" / "mix" / "heldout.jsonl"
+SHAREGPT_HELDOUT = Path(__file__).resolve().parent / "sharegpt_heldout.jsonl"
 SETS = ("sharegpt", "humaneval", "mixed")
 
 
@@ -62,8 +63,11 @@ def write_prompts(prompts: list[Prompt], path: str | Path) -> None:
     path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
 
 
-def sharegpt_prompts(heldout: str | Path = HELDOUT) -> list[Prompt]:
-    """The first user turn of every held-out conversation (rows store chat `messages`)."""
+def sharegpt_prompts(heldout: str | Path | None = None) -> list[Prompt]:
+    """The first user turn of every held-out conversation of a training split (heldout.jsonl, rows store chat
+    `messages`); by default the shipped prompts of the default drafters' split."""
+    if heldout is None:
+        return read_prompts(SHAREGPT_HELDOUT)
     if not Path(heldout).is_file():
         raise PromptsError(f"no held-out split at {heldout}: models.train writes it (heldout.jsonl in its --data "
                            f"directory); pass that file with --heldout")
@@ -84,7 +88,7 @@ def humaneval_prompts() -> list[Prompt]:
                                   f"{p['prompt']}```"]) for task, p in read_problems().items()]
 
 
-def builtin_prompts(name: str, heldout: str | Path = HELDOUT) -> list[Prompt]:
+def builtin_prompts(name: str, heldout: str | Path | None = None) -> list[Prompt]:
     if name == "sharegpt":
         return sharegpt_prompts(heldout)
     if name == "humaneval":
@@ -95,7 +99,7 @@ def builtin_prompts(name: str, heldout: str | Path = HELDOUT) -> list[Prompt]:
     raise PromptsError(f"unknown prompt set {name!r} (choose from {', '.join(SETS)})")
 
 
-def load_prompts(source: str, limit: int | None = None, heldout: str | Path = HELDOUT) -> list[Prompt]:
+def load_prompts(source: str, limit: int | None = None, heldout: str | Path | None = None) -> list[Prompt]:
     """A built-in set name or a Spec-Bench jsonl path, cut to the first `limit` prompts."""
     prompts = builtin_prompts(source, heldout) if source in SETS else read_prompts(source)
     return prompts[:limit] if limit else prompts

@@ -139,19 +139,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOA_CACHE", Path.home() / ".cache" / "moa-edge"))
 
 
-def default_bundle() -> Path:
-    """The shipped MoA drafter's bundle in the cache, exported when missing or older than the drafter.
+def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
+    """The bundle of a shipped drafter (`moa`, the default, or `eagle`) in the cache, exported when missing or older
+    than the drafter.
 
     The exporter runs in a subprocess (it needs torch; the edge never imports it)."""
-    out = cache_dir() / "bundles" / "default-moa"
+    out = cache_dir() / "bundles" / (f"default-{drafter}" + ("" if dtype == "fp32" else f"-{dtype}"))
     spec = find_spec("models")  # locates the project's models package without importing it
-    weights = Path(spec.origin).parent / "default" / "moa" / "model.safetensors" if spec and spec.origin else None
+    weights = Path(spec.origin).parent / "default" / drafter / "model.safetensors" if spec and spec.origin else None
     meta = out / BUNDLE_FILE
     if meta.exists() and not (weights and weights.exists() and weights.stat().st_mtime > meta.stat().st_mtime):
         return out
-    log.warning("exporting the default edge bundle to %s (once, about a minute)", out)
-    proc = subprocess.run([sys.executable, "-m", "export.to_onnx", "--drafter", "default", "--out", str(out)],
-                          capture_output=True, text=True)
+    log.warning("exporting the shipped %s drafter's edge bundle (%s) to %s (once, about a minute)", drafter, dtype, out)
+    proc = subprocess.run([sys.executable, "-m", "export.to_onnx", "--drafter", drafter, "--dtype", dtype,
+                           "--out", str(out)], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise EdgeError(f"no edge bundle at {out} and exporting one failed (it needs the server and export extras); "
@@ -335,6 +336,7 @@ class EdgeSession:
         self.stats = Stats(mode)
         self.result: Result | None = None
         self.session_id: str | None = None
+        self.target: str | None = None  # the server's target model, once connected
         self.seq = 0
         self._link: Link | None = None
         self._reconnector: Reconnector | None = None
@@ -349,9 +351,9 @@ class EdgeSession:
         self._shown = ""
         if mode != "offline":
             self._link = self._open()
-            self.session_id = self._link.session_id
+            self.session_id, self.target = self._link.session_id, self._link.welcome["target"]
             self.tree, self.tree_note = fit_tree(tree, self.bundle, self._link.welcome["limits"]["max_tree_tokens"])
-            log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self._link.welcome["target"],
+            log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,
                      self.session_id, self.tree, self.tree_note)
 
     # ---- public API -------------------------------------------------------------------------------------------

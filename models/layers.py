@@ -131,17 +131,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
-class CrossAttentionLayer(nn.Module):
-    """MoA's CA layer: queries from the stream, keys/values are memory rows made by `memory` from m_t."""
-
-    def __init__(self, c: LayerConfig):
-        super().__init__()
-        self.c = c
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.rotary = Rotary(c.head_dim, c.rope_theta)
+class CrossAttentionLayer(DecoderLayer):
+    """MoA's CA layer: a decoder layer's weights, but queries from the stream and keys/values from memory rows
+    (made by `memory` from m_t) instead of from the stream."""
 
     @property
     def row_width(self) -> int:

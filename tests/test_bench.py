@@ -1,12 +1,15 @@
-"""The single-device benchmark: Spec-Bench prompts, multi-turn chats, results.json / results.md / PNG end to end."""
+"""The single-device benchmark: Spec-Bench prompts, multi-turn chats, results.json / results.md / PNG end to end.
+(The client-server benchmark runs against a real server in test_client.py.)"""
 
 import json
 
 import pytest
 
 from bench.__main__ import main
-from bench.prompts import Prompt, PromptsError, humaneval_prompts, read_prompts
-from bench.single import METHODS, run_prompt
+from bench.prompts import Prompt, PromptsError, builtin_prompts, humaneval_prompts, read_prompts
+from bench.runs import run_chat
+from bench.single import METHODS, engine_turn
+from models.defaults import resolve_drafter_path
 from models.engine import GenerationResult, GenerationStats
 from tests.helpers import train_tiny
 
@@ -36,6 +39,9 @@ def test_spec_bench_multi_turn_parsing(two_prompts, tmp_path):
     assert read_prompts(no_category)[0].category == "default"
     code = humaneval_prompts()
     assert len(code) == 164 and code[0].category == "code" and "def has_close_elements" in code[0].turns[0]
+    heldout = builtin_prompts("sharegpt")  # shipped: the split the default drafters never saw
+    record = json.loads((resolve_drafter_path("moa") / "training_record.json").read_text())
+    assert len(heldout) == record["data"]["heldout_ids"] and all(p.category == "sharegpt" for p in heldout)
 
 
 def test_turns_run_as_one_chat():
@@ -49,10 +55,11 @@ def test_turns_run_as_one_chat():
             return GenerationResult(f"answer {len(self.seen)}", [5, 6], stats, "eos")
 
     engine = Recorder()
-    run = run_prompt(engine, "vanilla", Prompt("1", "c", ["first", "second"]), seed=0, max_new_tokens=4)
+    run = run_chat(engine_turn(engine, seed=0, max_new_tokens=4), "vanilla", Prompt("1", "c", ["first", "second"]))
     assert engine.seen[1] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "answer 1"},
                               {"role": "user", "content": "second"}]
-    assert run.texts == ["answer 1", "answer 2"] and run.new_tokens == 4 and run.rounds == 2 and run.gained == 4
+    assert run.texts == ["answer 1", "answer 2"] and run.token_ids == [[5, 6], [5, 6]]
+    assert run.totals["new_tokens"] == 4 and run.totals["rounds"] == 2 and run.totals["gained"] == 4
 
 
 @pytest.mark.parametrize("row, problem", [

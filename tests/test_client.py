@@ -10,13 +10,8 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -28,6 +23,7 @@ from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, S
 from export.to_onnx import export_bundle
 from models.target import load_target
 from models.tiny import tiny_target
+from server.process import ServerProcess, free_port
 from tests.helpers import train_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,47 +48,10 @@ def varied_target(path: Path):
     return load_target(str(path))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
+def verify_server(target: Path, drafter: Path) -> ServerProcess:
     """`python -m server` for the test target and drafter on a loopback port, with the test token."""
-
-    def __init__(self, target: Path, drafter: Path):
-        self.args = ["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--log-level", "warning"]
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
-
-    def start(self) -> "ServerProcess":
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MOA_TOKENS": TOKEN, "PYTHONPATH": str(ROOT)}
-        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
-        self.proc = subprocess.Popen([sys.executable, "-m", "server", *self.args, "--port", str(self.port)], cwd=ROOT,
-                                     env=env, stderr=self.log, text=True)
-        return self
-
-    def wait_ready(self, timeout: float = 300) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5):
-                    return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.log.seek(0)
-                    raise RuntimeError(f"the server did not start: {self.log.read()}")
-                time.sleep(0.2)
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no goodbye to the clients."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
+    return ServerProcess(["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--log-level",
+                          "warning"], env={"OMP_NUM_THREADS": "1", "MOA_TOKENS": TOKEN})
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +60,7 @@ def env(tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("client")
     target = varied_target(root / "target")
     train_tiny(target, "moa", steps=100).save_pretrained(root / "drafter")
-    servers = {name: ServerProcess(root / "target", root / "drafter").start() for name in ("main", "crash1", "crash2")}
+    servers = {name: verify_server(root / "target", root / "drafter").start() for name in ("main", "crash1", "crash2")}
     export_bundle(root / "drafter", root / "bundle", "fp32", target, parity_prompts=(PROMPT,), heldout_prompts=(),
                   log=lambda s: None)
     try:
@@ -206,6 +165,28 @@ def test_lost_reply_is_retried_with_the_same_seq(env, reference):
         shown += list(chunks)
         assert s.stats.retries == 1 and s.stats.offline_tokens == 0 and s.session_id == sid and s._link is not link
         assert s.result.token_ids == reference and apply(shown) == s.result.text
+
+
+def test_edge_benchmark(env, tmp_path):
+    from bench.__main__ import main as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": [PROMPT, "and then?"]}) + "\n" +
+                       json.dumps({"question_id": 2, "category": "qa", "turns": ["What is 2 plus 2?"]}) + "\n")
+    out = tmp_path / "bench"
+    bench(["edge", "--prompts", str(prompts), "--methods", "api,moa", "--max-new-tokens", "24", "--out", str(out),
+           "--moa-bundle", str(env["bundle"]), "--moa-server", env["main"].url, "--token", TOKEN, "--tree", TREE,
+           "--threads", "1", "--no-progress"])
+    results = json.loads((out / "results.json").read_text())
+    api, moa = results["methods"]["api"], results["methods"]["moa"]
+    assert list(results["methods"]) == ["api", "moa"] and results["settings"]["benchmark"] == "edge"
+    assert api["outputs_match_api"] == moa["outputs_match_api"] == 1.0 and api["speedup"] == 1.0
+    assert api["tau"] == 1.0 and moa["tau"] > 1.2  # drafts are accepted
+    assert api["server_calls_per_token"] < moa["server_calls_per_token"] < 1  # one generate per turn
+    assert moa["bytes_per_token"] > api["bytes_per_token"]  # trees up, memory rows down
+    assert set(moa["per_category"]) == {"chat", "qa"} and moa["new_tokens"] == api["new_tokens"] > 24
+    assert "| moa | all |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
+    assert len((out / "outputs.jsonl").read_text().splitlines()) == 4
 
 
 # ---- offline and resync ---------------------------------------------------------------------------------------

@@ -2,18 +2,14 @@
 input answered with its typed error (the session stays usable), auth, limits, concurrency, retries and resume."""
 
 import json
-import os
 import shutil
-import socket
 import ssl
 import struct
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,11 +22,11 @@ from models.engine import SpeculativeEngine, TorchDraftStep
 from server.app import App
 from server.auth import Credentials, bearer, load_tokens
 from server.config import Limits, build_parser, parse_args
+from server.process import ServerProcess
 from server.session import Model
 from server.testing import Client, ServerError, ServerThread, SpeculativeClient
 from tests.helpers import greedy_continuations, train_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
 TREE = TreeConfig(4, 2, 8)
 NEW = 40
 LIMITS = Limits(max_sessions=64, max_context=256, max_tree_tokens=32, max_message_bytes=1 << 16, idle_timeout_s=60)
@@ -314,38 +310,20 @@ def test_tls(model, tmp_path):
             assert c.hello(model.fingerprint).type == P.WELCOME
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serves(tiny):
     text = build_parser().format_help()
     assert all(s in text for s in ("--tokens-file", "--max-message-bytes", "--idle-timeout", "/metrics", "MOA_TOKENS"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOA_TOKENS": "k1"}
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--target", "tiny", "--drafter", "none", "--port",
-                             str(port), "--threads", "1"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if http_get(port, "/healthz")[0] == 200:
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
-                time.sleep(0.5)
-        with Client(f"ws://127.0.0.1:{port}", "k1") as c:
-            welcome = c.hello(json.loads(http_get(port, "/healthz")[1])["fingerprint"])
+    server = ServerProcess(["--target", "tiny", "--drafter", "none", "--threads", "1"],
+                           env={"OMP_NUM_THREADS": "1", "MOA_TOKENS": "k1"})
+    with server:
+        with Client(server.url, "k1") as c:
+            welcome = c.hello(json.loads(http_get(server.port, "/healthz")[1])["fingerprint"])
             assert welcome.fields["row_width"] == 0
             assert c.generate([5, 6, 7], 5)[1].fields["tokens"] == \
                 SpeculativeEngine(tiny, None).generate([5, 6, 7], max_new_tokens=5).token_ids
             with pytest.raises(ServerError, match="generate only"):
                 c.call(P.PREFILL, {"seq": 1}, {"tokens": np.array([5, 6], np.int32)})
-    finally:
-        proc.terminate()
-        assert proc.wait(60) == 0
+    assert server.proc.returncode == 0  # SIGTERM: a clean shutdown
 
 
 # ---- concurrency, resume, expiry, limits --------------------------------------------------------------------

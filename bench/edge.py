@@ -1,0 +1,98 @@
+"""Client-server benchmark: the server generating alone (`api`, the usual deployment) against the EAGLE and MoA
+edge bundles drafting in ONNX Runtime while the verify server checks their trees, side by side in one run
+(DESIGN.md §9). This is the edge client's view: its own clock, its own byte counts.
+
+Each drafter needs a server whose memory head matches its bundle: one server per drafter, started on loopback
+unless given; `api` asks the MoA server (any server generates the same vanilla text). Figures per method, overall
+and per category, beyond tokens/s, speedup (over api) and outputs_match_api (greedy):
+- tau: tokens gained per verify call, the server's next token included (api: 1, one target forward per token);
+- server_calls_per_token: requests (prefill, verify, generate) per new token;
+- server_ms_per_token: the server's own compute per new token, as its replies report it;
+- bytes_per_token: frames up and down per new token (memory rows included);
+- network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
+- draft_share: the share of the time the edge spent drafting.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from bench.prompts import Prompt
+from bench.runs import Run, Turn, aggregate, machine, now, run_interleaved, total
+from edge_client.client import EdgeSession, default_bundle
+from server.process import ServerProcess
+
+METHODS = ("api", "eagle", "moa")
+DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa"}  # whose bundle and server each method uses
+
+
+def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
+    def turn(messages: list[dict]) -> tuple[str, list[int], dict[str, float]]:
+        res = session.complete(messages, seed=seed, **gen)
+        s = session.stats
+        return res.text, res.token_ids, {
+            "new_tokens": s.new_tokens, "total_s": s.total_s, "verify_calls": s.verify_calls,
+            "accepted_tokens": s.accepted_tokens, "server_calls": s.server_calls, "server_s": s.server_s,
+            "bytes": s.bytes_up + s.bytes_down, "network_wait_s": s.network_wait_s, "draft_s": s.draft_s}
+    return turn
+
+
+def summarize(runs: list[Run]) -> dict:
+    new, seconds = max(1, total(runs, "new_tokens")), max(1e-9, total(runs, "total_s"))
+    calls = total(runs, "verify_calls")
+    return {"tau": total(runs, "accepted_tokens") / calls if calls else 1.0,
+            "server_calls_per_token": total(runs, "server_calls") / new,
+            "server_ms_per_token": 1000 * total(runs, "server_s") / new,
+            "bytes_per_token": total(runs, "bytes") / new,
+            "network_wait_share": total(runs, "network_wait_s") / seconds,
+            "draft_share": total(runs, "draft_s") / seconds}
+
+
+def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0, tree: str = "auto", dtype: str = "fp32", bundles: dict[str, str] | None = None,
+             servers: dict[str, str] | None = None, token: str | None = None, threads: int | None = None,
+             progress: bool = True) -> tuple[dict, list[Run]]:
+    """Run the methods side by side. `bundles` and `servers` map a drafter (moa, eagle) to a bundle directory and a
+    server URL; missing bundles are the shipped drafters' (exported on first use, in `dtype`), missing servers are
+    started here on loopback with that drafter (`threads` torch threads) and stopped at the end."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
+    bundles, servers = dict(bundles or {}), dict(servers or {})
+    drafters = sorted({DRAFTER_OF[m] for m in methods})
+    for d in drafters:
+        bundles[d] = str(bundles.get(d) or default_bundle(d, dtype))
+    with ExitStack() as stack:
+        local = [d for d in drafters if d not in servers]
+        started = {d: ServerProcess(["--drafter", d, "--log-level", "warning"] +
+                                    (["--threads", str(threads)] if threads else [])).start() for d in local}
+        for d, server in started.items():
+            stack.callback(server.stop)
+            servers[d] = server.url
+        for server in started.values():
+            server.wait_ready()
+        sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
+                                                       mode="api" if m == "api" else "speculative", tree=tree,
+                                                       threads=threads)) for m in methods}
+        runs = run_interleaved(
+            lambda m, seed, n: session_turn(sessions[m], seed, max_new_tokens=n, temperature=temperature),
+            methods, prompts, max_new_tokens, seed, progress)
+    settings = {
+        "benchmark": "edge",
+        "machine": machine(),
+        "threads": threads,
+        "target": sessions[methods[0]].target,
+        "bundles": {m: bundles[DRAFTER_OF[m]] for m in methods if m != "api"},
+        "dtype": {m: sessions[m].bundle.meta.get("dtype") for m in methods if m != "api"},
+        "providers": {m: sessions[m].step.provider for m in methods if m != "api"},
+        "servers": {d: ("local " if d in local else "") + servers[d] for d in drafters},
+        "tree": {m: f"{sessions[m].tree} ({sessions[m].tree_note})" for m in methods if m != "api"},
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "n_prompts": len(prompts),
+        "date": now(),
+    }
+    results = {"settings": settings, "methods": aggregate(runs, "api", temperature <= 0, summarize)}
+    return results, [r for rs in runs.values() for r in rs]
+
