@@ -152,7 +152,7 @@ def test_sampling_keeps_the_target_distribution(sampling):
     tiny = tiny_target(vocab_size=12, seed=3)
     torch.manual_seed(1)
     drafter = build_drafter("moa", tiny).eval()  # untrained: q differs from p, so the residual matters
-    prompt, root, n = [3, 5, 7, 4, 9], 6, 4000
+    prompt, root, n = [3, 5, 7, 4, 9], 6, 2000  # the broken residual scores p < 1e-100 already
     joint = joint_first_two(tiny, prompt, root, sampling)
     good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)"), joint, n)
     broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
