@@ -87,6 +87,15 @@ class Bundle:
         return int(self.meta["memory"]["row_width"])
 
     @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    @property
+    def agreement_topk(self) -> dict | None:
+        """The drafter's held-out top-k agreement per depth ({width: [a_1, ..]}), when it has a training record."""
+        return self.meta.get("agreement_topk")
+
+    @property
     def keeps_draft_cache(self) -> bool:
         return bool(self.meta["keeps_draft_cache"])
 

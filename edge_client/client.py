@@ -36,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from edge_client import protocol as P
+from edge_client.budget import agreement_table, choose, measure_draft
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
 from edge_client.drafting import DraftSession
 from edge_client.runtime import OrtDraftStep
@@ -160,19 +161,38 @@ def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
     return out
 
 
-def fit_tree(tree: TreeConfig | str, bundle: Bundle, max_tree_tokens: int) -> tuple[TreeConfig, str]:
-    """The draft tree budget and why: `auto` takes the budget the exporter measured the bundle's acceptance with.
+def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: Link) -> tuple[TreeConfig, str]:
+    """The draft tree budget and why. `auto`: the budget with the most predicted tokens/s from the drafter's
+    held-out agreement, this edge's draft step time, the server's verify times (welcome.verify_ms) and the round
+    trip (edge_client/budget.py); without those, the budget the exporter measured the bundle's acceptance with.
 
     Either way the tree is cut to the server's max_tree_tokens (root included)."""
     if tree == "auto":
-        acc = bundle.meta.get("checks", {}).get("acceptance")
-        tree, why = ((TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}") if acc
-                     else (TreeConfig(), "auto: default budget, the bundle has no acceptance record"))
+        tree, why = auto_tree(bundle, step, link)
     else:
         tree, why = (tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree)), "given"
+    max_tree_tokens = link.welcome["limits"]["max_tree_tokens"]
     if tree.total_tokens >= max_tree_tokens:
         tree, why = replace(tree, total_tokens=max_tree_tokens - 1), f"{why}; cut to the server's limit"
     return tree, why
+
+
+def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link) -> tuple[TreeConfig, str]:
+    verify_ms = link.welcome.get("verify_ms")
+    if verify_ms and bundle.agreement_topk:
+        verify_s = {int(n): ms / 1e3 for n, ms in verify_ms.items()}
+        draft_s = measure_draft(step, bundle.row_width, bundle.hidden_size)
+        rtt = link.round_trip_s()
+        choice = choose(agreement_table(bundle.agreement_topk), draft_s, verify_s, rtt)
+        why = (f"auto: {choice.describe()} (server verify of 1 token {verify_s[1] * 1e3:.0f} ms, edge draft step "
+               f"{draft_s[1] * 1e3:.1f} ms, round trip {rtt * 1e3:.1f} ms)")
+        if choice.tokens_per_s < choice.baseline_tokens_per_s:
+            why += "; predicted slower than the server alone (--mode api)"
+        return choice.tree, why
+    acc = bundle.meta.get("checks", {}).get("acceptance")
+    if acc:
+        return TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}"
+    return TreeConfig(), "auto: default budget, the bundle has no acceptance record"
 
 
 def token_tensor(tokens: list[int]) -> dict[str, np.ndarray]:
@@ -219,6 +239,16 @@ class Link:
     @property
     def session_id(self) -> str:
         return self.welcome["session_id"]
+
+    def round_trip_s(self, n: int = 3) -> float:
+        """Median seconds of n ping/pong exchanges."""
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            self.send(P.encode(P.PING, {"t": t}))
+            expect(decode_reply(self.recv()), P.PONG)
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
 
     def send(self, frame: bytes) -> None:
         try:
@@ -352,7 +382,7 @@ class EdgeSession:
         if mode != "offline":
             self._link = self._open()
             self.session_id, self.target = self._link.session_id, self._link.welcome["target"]
-            self.tree, self.tree_note = fit_tree(tree, self.bundle, self._link.welcome["limits"]["max_tree_tokens"])
+            self.tree, self.tree_note = fit_tree(tree, self.bundle, self.step, self._link)
             log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,
                      self.session_id, self.tree, self.tree_note)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from edge_client.budget import expected_tau
 from models.data import Encoded
 from models.drafter import Drafter
 from models.target import Target
@@ -64,15 +65,6 @@ def chain_agreement(
     return {"depth_agreement": rates[0], "expected_tau": expected_tau(rates[0]),
             "tau_measured": 1 + sum(runs) / max(len(runs), 1), "sync_points": total,
             "depth_agreement_topk": {str(w): r for w, r in zip(widths, rates)}}
-
-
-def expected_tau(agreement: list[float]) -> float:
-    """Expected tokens per target forward of a chain with these per-depth acceptance rates (bonus included)."""
-    tau, prod = 1.0, 1.0
-    for a in agreement:
-        prod *= a
-        tau += prod
-    return tau
 
 
 def _shift(hidden: torch.Tensor) -> torch.Tensor:

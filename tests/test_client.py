@@ -59,7 +59,8 @@ def env(tmp_path_factory) -> Iterator[dict]:
     """The target, drafter and bundle on disk, and three servers: one shared, two to crash."""
     root = tmp_path_factory.mktemp("client")
     target = varied_target(root / "target")
-    train_tiny(target, "moa", steps=100).save_pretrained(root / "drafter")
+    record = {"heldout": {"depth_agreement_topk": {w: [0.9] * 6 for w in ("1", "2", "4", "8")}}}  # for tree auto
+    train_tiny(target, "moa", steps=100).save_pretrained(root / "drafter", extra={"training": record})
     servers = {name: verify_server(root / "target", root / "drafter").start() for name in ("main", "crash1", "crash2")}
     export_bundle(root / "drafter", root / "bundle", "fp32", target, parity_prompts=(PROMPT,), heldout_prompts=(),
                   log=lambda s: None)
@@ -138,6 +139,13 @@ def test_session_streams_the_api_text(env, api, reference, row_dtype):
             want = reference if prompt == PROMPT else api.complete(prompt, max_new_tokens=NEW).token_ids
             assert s.result.token_ids == want and apply(chunks) == s.result.text
             assert not any(c.rewind or c.offline for c in chunks) and s.stats.verify_calls < NEW
+
+
+def test_tree_auto_weighs_server_and_edge_costs(env, reference):
+    with session(env, tree="auto") as s:
+        assert "server verify of 1 token" in s.tree_note and "round trip" in s.tree_note, s.tree_note
+        assert s.tree.total_tokens < s._link.welcome["limits"]["max_tree_tokens"]
+        assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
 
 
 def test_async_session(env, reference):

@@ -1,0 +1,27 @@
+"""Tree auto's cost model (edge_client/budget.py): the budget follows the measured costs."""
+
+from edge_client.budget import WIDTHS, agreement_table, choose, expected_tau, tree_sizes
+
+AGREEMENT = agreement_table({"1": [0.6] * 6, "2": [0.7] * 6, "4": [0.8] * 6, "8": [0.85] * 6})
+DRAFT = {w: 0.001 for w in WIDTHS}
+
+
+def test_expected_tau():
+    assert expected_tau([]) == 1.0 and expected_tau([0.5, 0.5]) == 1.75
+
+
+def test_budget_follows_the_costs():
+    flat = {n: 0.010 for n in tree_sizes()}  # a big GPU: 65 tokens cost what 1 does
+    steep = {n: 0.010 * n for n in tree_sizes()}  # a small CPU: every token costs
+    gpu, cpu = choose(AGREEMENT, DRAFT, flat), choose(AGREEMENT, DRAFT, steep)
+    assert gpu.tree.total_tokens > cpu.tree.total_tokens
+    assert gpu.tokens_per_s > gpu.baseline_tokens_per_s and gpu.tau > cpu.tau
+    far = choose(AGREEMENT, DRAFT, steep, link_s=0.2)  # a slow link: fewer, bigger rounds pay
+    assert far.tree.total_tokens > cpu.tree.total_tokens
+
+
+def test_budget_stays_within_the_measured_sizes():
+    small = {n: 0.01 for n in tree_sizes(limit=9)}  # a server that verifies at most 9 tokens
+    choice = choose(AGREEMENT, DRAFT, small)
+    assert choice.tree.total_tokens + 1 <= 9
+    assert choose(agreement_table(None), DRAFT, small).tree.total_tokens + 1 <= 9  # no record: a generic guess
