@@ -64,13 +64,10 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
         bundles[d] = str(bundles.get(d) or default_bundle(d, dtype))
     with ExitStack() as stack:
         local = [d for d in drafters if d not in servers]
-        started = {d: ServerProcess(["--drafter", d, "--log-level", "warning"] +
-                                    (["--threads", str(threads)] if threads else [])).start() for d in local}
-        for d, server in started.items():
-            stack.callback(server.stop)
-            servers[d] = server.url
-        for server in started.values():
-            server.wait_ready()
+        for d in local:  # one after the other: each times its target at start, undisturbed by the others
+            server = ServerProcess(["--drafter", d, "--log-level", "warning"] +
+                                   (["--threads", str(threads)] if threads else []))
+            servers[d] = stack.enter_context(server).url
         sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
                                                        mode="api" if m == "api" else "speculative", tree=tree,
                                                        threads=threads)) for m in methods}

@@ -151,7 +151,7 @@ def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
     meta = out / BUNDLE_FILE
     if meta.exists() and not (weights and weights.exists() and weights.stat().st_mtime > meta.stat().st_mtime):
         return out
-    log.warning("exporting the shipped %s drafter's edge bundle (%s) to %s (once, about a minute)", drafter, dtype, out)
+    log.warning("exporting the shipped %s drafter's edge bundle (%s) to %s (once, a few minutes on a CPU)", drafter, dtype, out)
     proc = subprocess.run([sys.executable, "-m", "export.to_onnx", "--drafter", drafter, "--dtype", dtype,
                            "--out", str(out)], capture_output=True, text=True)
     if proc.returncode != 0:

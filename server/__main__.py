@@ -31,7 +31,11 @@ def load_model(config: ServerConfig) -> Model:
     drafter = None if config.drafter == "none" else load_drafter(config.drafter, target)
     log.info("target %s (%s, %s), drafter %s", target.name, config.resolved_device, config.resolved_dtype,
              config.drafter)
-    return Model(target, drafter, config.limits, config.tree)
+    model = Model(target, drafter, config.limits, config.tree)
+    if model.verify_s:
+        log.info("verify time by tree size (sent to edges for tree auto): %s",
+                 ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in model.verify_s.items() if n in (1, 5, 9, 17, 33, 65)))
+    return model
 
 
 async def serve_until_signal(app: App, config: ServerConfig) -> None:
