@@ -61,9 +61,10 @@ def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
 
 def measure_verify(forward: Callable[[int], object], limit: int = MAX_TREE) -> dict[int, float]:
     """Seconds of `forward(n)` (a target forward over n new tokens) for every candidate size, timed at a few sizes
-    and interpolated linearly between them."""
+    and interpolated linearly between them. 1 and 2 are both timed: on a CPU one token takes a matrix-vector path
+    and two already cost up to twice as much, which decides whether a chain pays."""
     sizes = tree_sizes(limit)
-    probe = sorted({s for s in (1, 4, 8, 16, 32, 64) if s <= sizes[-1]} | {sizes[-1]})
+    probe = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s <= sizes[-1]} | {sizes[-1]})
     measured = [time_call(lambda: forward(n)) for n in probe]
     return {n: float(np.interp(n, probe, measured)) for n in sizes}
 

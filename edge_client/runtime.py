@@ -45,6 +45,9 @@ class OrtDraftStep:
         self.keeps_draft_cache = self.bundle.keeps_draft_cache
         self.cache_shape = self.bundle.cache_shape
         options = ort.SessionOptions()
+        # no busy-waiting between steps: the edge waits on the network between rounds, and spinning threads would
+        # burn the battery (and, with the server on the same machine, its CPU)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
