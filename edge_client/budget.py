@@ -48,15 +48,21 @@ def tree_sizes(limit: int = MAX_TREE) -> list[int]:
     return sorted({1} | {n for d in DEPTHS for w in WIDTHS if (n := 1 + d * w) <= limit})
 
 
-def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Median seconds of `fn` after one warm-up call."""
-    fn()
+def time_calls(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return times
+
+
+def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of `fn` after one warm-up call."""
+    return float(np.median(time_calls(fn, repeats)))
 
 
 def measure_verify(forward: Callable[[int], object], limit: int = MAX_TREE) -> dict[int, float]:
@@ -69,20 +75,26 @@ def measure_verify(forward: Callable[[int], object], limit: int = MAX_TREE) -> d
     return {n: float(np.interp(n, probe, measured)) for n in sizes}
 
 
-def measure_draft(step, row_width: int, hidden_size: int, context: int = 256) -> dict[int, float]:
-    """Seconds of one draft step over w nodes (w in WIDTHS) with a draft cache and memory of `context`: for any
-    step with the DraftStep signature (ONNX Runtime on the edge, PyTorch on one device). Latency does not depend
-    on the values, so the inputs are zeros."""
+def draft_inputs(step, n: int, row_width: int, hidden_size: int, context: int = 256, memory: int = 256) -> tuple:
+    """Arguments of one draft step over a tree frontier of n nodes (each sees the cache and itself) after `context`
+    cached slots, with `memory` memory rows, for any step with the DraftStep signature. Latency does not depend on
+    the values, so they are zeros."""
     heads, head_dim = step.cache_shape
     cache = np.zeros((heads, context, head_dim), np.float32)
-    memory = np.zeros((context, row_width), np.float32)
-    features = np.zeros((max(WIDTHS), hidden_size), np.float32)
+    mask = np.zeros((n, context + n), np.float32)
+    mask[:, context:] = np.where(np.eye(n, dtype=bool), 0.0, -np.inf)
+    return (np.full(n, 1), np.full(n, context), cache, cache, mask, np.zeros((memory, row_width), np.float32),
+            np.zeros((n, hidden_size), np.float32))
 
-    def draft(n: int) -> None:
-        mask = np.zeros((n, context + n), np.float32)
-        step(np.full(n, 1), np.arange(n) + context, cache, cache, mask, memory, features[:n])
 
-    return {w: time_call(lambda: draft(w)) for w in WIDTHS}
+def measure_draft(step, row_width: int, hidden_size: int, context: int = 256) -> dict[int, float]:
+    """Seconds of one draft step over w nodes (w in WIDTHS) with a draft cache and memory of `context` (ONNX Runtime
+    on the edge, PyTorch on one device)."""
+    def timed(w: int) -> float:
+        args = draft_inputs(step, w, row_width, hidden_size, context, context)
+        return time_call(lambda: step(*args))
+
+    return {w: timed(w) for w in WIDTHS}
 
 
 @dataclass
@@ -91,6 +103,10 @@ class Choice:
     tau: float  # predicted tokens per round
     tokens_per_s: float  # predicted
     baseline_tokens_per_s: float  # one token per target forward of 1: vanilla, or the server alone (api)
+
+    @property
+    def pays(self) -> bool:
+        return self.tokens_per_s >= self.baseline_tokens_per_s
 
     def describe(self) -> str:
         return (f"depth={self.tree.depth} topk={self.tree.topk} total_tokens={self.tree.total_tokens}, predicted tau "

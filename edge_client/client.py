@@ -151,7 +151,8 @@ def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
     meta = out / BUNDLE_FILE
     if meta.exists() and not (weights and weights.exists() and weights.stat().st_mtime > meta.stat().st_mtime):
         return out
-    log.warning("exporting the shipped %s drafter's edge bundle (%s) to %s (once, a few minutes on a CPU)", drafter, dtype, out)
+    log.warning("exporting the shipped %s drafter's edge bundle (%s) to %s (once, a few minutes on a CPU)",
+                drafter, dtype, out)
     proc = subprocess.run([sys.executable, "-m", "export.to_onnx", "--drafter", drafter, "--dtype", dtype,
                            "--out", str(out)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -186,7 +187,7 @@ def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link) -> tuple[TreeConfi
         choice = choose(agreement_table(bundle.agreement_topk), draft_s, verify_s, rtt)
         why = (f"auto: {choice.describe()} (server verify of 1 token {verify_s[1] * 1e3:.0f} ms, edge draft step "
                f"{draft_s[1] * 1e3:.1f} ms, round trip {rtt * 1e3:.1f} ms)")
-        if choice.tokens_per_s < choice.baseline_tokens_per_s:
+        if not choice.pays:
             why += "; predicted slower than the server alone (--mode api)"
         return choice.tree, why
     acc = bundle.meta.get("checks", {}).get("acceptance")

@@ -4,7 +4,7 @@
 
 Exports the drafter as an fp32 and an int8 bundle (parity checked, acceptance skipped), then times one draft
 step for 1 token and for a tree frontier of 4 tokens over a self-attention cache of 256 slots and 256 memory
-rows (random inputs of the right shapes: latency does not depend on the values). `--drafter untrained` times
+rows (zeros of the right shapes: latency does not depend on the values). `--drafter untrained` times
 an untrained drafter of the default size, for when no trained one has been shipped yet.
 """
 
@@ -15,49 +15,31 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import onnxruntime
 
+from edge_client.budget import draft_inputs, time_calls
 from edge_client.bundle import load_bundle
 from edge_client.runtime import OrtDraftStep
 from export.to_onnx import export_bundle
 
 
-def step_inputs(step: OrtDraftStep, n: int, cache: int, rows: int, rng: np.random.Generator) -> tuple:
-    """DraftStep arguments for n tokens (a tree frontier: each sees the cache and itself) after `cache` slots."""
-    b = step.bundle
-    h, d = b.cache_shape
-    mask = np.zeros((n, cache + n), np.float32)
-    mask[:, cache:] = np.where(np.eye(n, dtype=bool), 0.0, -np.inf)
-    memory = rng.standard_normal((rows, b.row_width), dtype=np.float32)
-    features = rng.standard_normal((n, b.meta["hidden_size"]), dtype=np.float32)
-    return (rng.integers(0, b.meta["vocab_size"], n), np.full(n, cache), rng.standard_normal((h, cache, d), np.float32),
-            rng.standard_normal((h, cache, d), np.float32), mask, memory, features)
-
-
-def time_step(step: OrtDraftStep, args: tuple, repeats: int, warmup: int = 3) -> dict:
-    for _ in range(warmup):
-        step(*args)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step(*args)
-        times.append((time.perf_counter() - t) * 1e3)
+def time_step(step: OrtDraftStep, args: tuple, repeats: int) -> dict:
+    times = [t * 1e3 for t in time_calls(lambda: step(*args), repeats, warmup=3)]
     return {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times), "min_ms": min(times)}
 
 
 def bench_bundle(path: Path, cache: int, rows: int, repeats: int, threads: int | None) -> dict:
     step = OrtDraftStep(load_bundle(path), providers="cpu", threads=threads)
-    rng = np.random.default_rng(0)
+    b = step.bundle
     result = {"provider": step.provider,
               "bundle_mib": {n: r["bytes"] / 2**20 for n, r in step.bundle.meta["files"].items()},
               "parity": step.bundle.meta["checks"]["parity"]}
     for n in (1, 4):
-        result[f"step_{n}_tokens"] = time_step(step, step_inputs(step, n, cache, rows, rng), repeats)
+        result[f"step_{n}_tokens"] = time_step(step, draft_inputs(step, n, b.row_width, b.hidden_size, cache, rows),
+                                               repeats)
     return result
 
 

@@ -256,9 +256,7 @@ def bundle_metadata(drafter: Drafter, target: Target, source: Path, dtype: str, 
         "cache_shape": list(drafter.cache_shape()),
         "keeps_draft_cache": drafter.keeps_draft_cache,
         "memory": memory_layout(drafter),
-        # held-out top-k agreement per depth from the training record: the edge's tree auto predicts tau with it
-        "agreement_topk": ((getattr(drafter, "training_record", None) or {}).get("heldout") or {})
-        .get("depth_agreement_topk"),
+        "agreement_topk": drafter.agreement_topk,  # the edge's tree auto predicts tau with it
         "graph": graph_signature(graph),
         "tokenizer": {"eos_token_ids": sorted(target.eos_token_ids),
                       "special_tokens": dict(target.tokenizer.special_tokens_map)},

@@ -25,12 +25,11 @@ def auto_tree(engine, verbose: bool = True) -> TreeConfig:
     """Measure the target and the drafter on this machine and pick the budget (printed when `verbose`)."""
     verify_s = measure_target(engine.target)
     draft_s = measure_draft(engine.step, engine.drafter.row_width, engine.target.spec.hidden_size)
-    record = getattr(engine.drafter, "training_record", None) or {}
-    choice = choose(agreement_table(record.get("heldout", {}).get("depth_agreement_topk")), draft_s, verify_s)
+    choice = choose(agreement_table(engine.drafter.agreement_topk), draft_s, verify_s)
     if verbose:
         print(f"tree auto: {choice.describe()} (verify of 1 token {verify_s[1] * 1e3:.0f} ms, draft step "
               f"{draft_s[1] * 1e3:.1f} ms)", flush=True)
-        if choice.tokens_per_s < choice.baseline_tokens_per_s:
+        if not choice.pays:
             print("tree auto: warning: with this drafter's measured acceptance, speculation is predicted to be "
                   "slower than vanilla decoding on this machine", flush=True)
     return choice.tree

@@ -49,9 +49,16 @@ class Drafter(nn.Module):
     # only). False when they must be recomputed from the target's true features (EAGLE).
     keeps_draft_cache: ClassVar[bool]
 
+    @property
+    def agreement_topk(self) -> dict | None:
+        """Held-out top-k agreement per depth from the training record ({width: [a_1, ..]}), if it has one: what
+        tree auto predicts tau with."""
+        return ((self.training_record or {}).get("heldout") or {}).get("depth_agreement_topk")
+
     def __init__(self, config, target: Target):
         super().__init__()
         self.config = config
+        self.training_record: dict | None = None  # set by load_drafter from config.json
         self.target_fingerprint = target.fingerprint
         self.target_name = target.name
         spec = target.spec

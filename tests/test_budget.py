@@ -25,3 +25,12 @@ def test_budget_stays_within_the_measured_sizes():
     choice = choose(AGREEMENT, DRAFT, small)
     assert choice.tree.total_tokens + 1 <= 9
     assert choose(agreement_table(None), DRAFT, small).tree.total_tokens + 1 <= 9  # no record: a generic guess
+
+
+def test_single_device_tree_auto_measures_and_picks(tiny, capsys):
+    from models.drafter import build_drafter
+    from models.engine import SpeculativeEngine
+
+    tree = SpeculativeEngine(tiny, build_drafter("moa", tiny), tree="auto").tree
+    assert tree.total_tokens == tree.depth * tree.topk and 1 + tree.total_tokens in tree_sizes()
+    assert f"tree auto: depth={tree.depth} topk={tree.topk}" in capsys.readouterr().out
