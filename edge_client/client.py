@@ -363,7 +363,7 @@ class EdgeSession:
         self.step = OrtDraftStep(self.bundle, providers, threads)
         self.server, self.token, self.mode, self.policy = server, token, mode, on_reconnect
         self.row_dtype, self.timeout_s, self.backoff_s = row_dtype, timeout_s, backoff_s
-        self.tree, self.tree_note = TreeConfig(), "unused offline"
+        self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.stats = Stats(mode)
         self.result: Result | None = None
         self.session_id: str | None = None
@@ -383,7 +383,8 @@ class EdgeSession:
         if mode != "offline":
             self._link = self._open()
             self.session_id, self.target = self._link.session_id, self._link.welcome["target"]
-            self.tree, self.tree_note = fit_tree(tree, self.bundle, self.step, self._link)
+            if mode == "speculative":  # api mode never drafts: no budget to fit
+                self.tree, self.tree_note = fit_tree(tree, self.bundle, self.step, self._link)
             log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,
                      self.session_id, self.tree, self.tree_note)
 
