@@ -126,22 +126,11 @@ class DataStats:
         return f"kept {self.kept}, skipped {sum(self.skipped.values())}" + (f" ({reasons})" if reasons else "")
 
 
-def build_dataset(
-    samples: Iterable[dict],
-    tokenizer,
-    out_dir: str | Path,
-    max_len: int = 1024,
-    n_heldout: int = 200,
-    limit: int | None = None,
-    seed: int = 0,
-) -> DataStats:
-    """Encode samples into out_dir/{train,heldout}.jsonl; the held-out ids go to split.json with the data."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stats = DataStats()
+def encode_samples(samples: Iterable[dict], tokenizer, max_len: int, stats: DataStats,
+                   limit: int | None = None) -> list[dict]:
     encoded: list[dict] = []
     for n, sample in enumerate(samples):
-        if limit is not None and stats.kept >= limit + n_heldout:
+        if limit is not None and stats.kept >= limit:
             break
         messages = normalize(sample)
         if isinstance(messages, str):
@@ -154,9 +143,37 @@ def build_dataset(
         sid = str(sample.get("id", n))
         encoded.append({"id": sid, "ids": enc.ids, "response_mask": enc.response_mask, "messages": messages})
         stats.kept += 1
-    order = list(range(len(encoded)))
-    random.Random(seed).shuffle(order)
-    heldout = {encoded[i]["id"] for i in order[:n_heldout]}
+    return encoded
+
+
+def build_dataset(
+    samples: Iterable[dict],
+    tokenizer,
+    out_dir: str | Path,
+    max_len: int = 1024,
+    n_heldout: int = 200,
+    limit: int | None = None,
+    seed: int = 0,
+    heldout_samples: Iterable[dict] | None = None,
+) -> DataStats:
+    """Encode samples into out_dir/{train,heldout}.jsonl; the held-out ids go to split.json with the data.
+
+    The held-out split is `n_heldout` seeded random samples, or `heldout_samples` when given (training samples
+    with the same id are then dropped)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats = DataStats()
+    if heldout_samples is not None:
+        fixed = encode_samples(heldout_samples, tokenizer, max_len, stats)
+        heldout = {r["id"] for r in fixed}
+        encoded = fixed + [r for r in encode_samples(samples, tokenizer, max_len, stats,
+                                                     None if limit is None else limit + len(fixed))
+                           if r["id"] not in heldout]
+    else:
+        encoded = encode_samples(samples, tokenizer, max_len, stats, None if limit is None else limit + n_heldout)
+        order = list(range(len(encoded)))
+        random.Random(seed).shuffle(order)
+        heldout = {encoded[i]["id"] for i in order[:n_heldout]}
     with open(out_dir / "train.jsonl", "w") as tr, open(out_dir / "heldout.jsonl", "w") as ho:
         for row in encoded:
             (ho if row["id"] in heldout else tr).write(json.dumps(row) + "\n")
@@ -168,3 +185,20 @@ def build_dataset(
 
 def load_encoded(path: str | Path) -> list[Encoded]:
     return [Encoded(r["id"], r["ids"], r["response_mask"]) for r in map(json.loads, open(path))]
+
+
+class TokenCounts(Counter):
+    def most_common_ids(self, n: int) -> list[int]:
+        """The n most frequent ids (ties by id); fewer distinct ids are topped up with the smallest unseen ones."""
+        ids = [t for t, _ in sorted(self.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+        seen = set(ids)
+        ids += [t for t in range(n + len(seen)) if t not in seen][: n - len(ids)]
+        return ids
+
+
+def token_frequencies(samples: list[Encoded]) -> TokenCounts:
+    """How often each token occurs in the responses (what the drafter must propose): the draft vocabulary's basis."""
+    counts = TokenCounts()
+    for s in samples:
+        counts.update(t for t, m in zip(s.ids, s.response_mask) if m)
+    return counts

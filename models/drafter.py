@@ -25,7 +25,8 @@ from models.target import Target, TargetStep, hash_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-SHARED_PREFIXES = ("embed.", "lm_head.")  # the target's own weights: never saved with the drafter
+# the target's own weights (and the draft head, rows of the target's LM head): never saved with the drafter
+SHARED_PREFIXES = ("embed.", "lm_head.", "draft_head.")
 
 
 class FingerprintMismatch(ValueError):
@@ -68,6 +69,40 @@ class Drafter(nn.Module):
         self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.register_buffer("draft_vocab", None)
+        self.draft_head: nn.Linear | None = None
+
+    # --- the reduced draft vocabulary (FR-Spec, EAGLE-3) ----------------------------------------------------
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only over these target-vocabulary ids: the head is those rows of the target's LM head, and
+        `token_ids` maps the drafter's output indices back. None restores the full vocabulary."""
+        if ids is None:
+            self.draft_vocab, self.draft_head = None, None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.lm_head.weight.device).sort().values
+        if len(ids) and (ids[0] < 0 or ids[-1] >= self.lm_head.weight.shape[0] or len(ids.unique()) != len(ids)):
+            raise ValueError("a draft vocabulary is a set of distinct target-vocabulary ids")
+        self.draft_vocab = ids
+        head = nn.Linear(self.lm_head.in_features, len(ids), bias=False)
+        head.weight = nn.Parameter(self.lm_head.weight.detach()[ids].clone(), requires_grad=False)
+        self.draft_head = head
+
+    @property
+    def head(self) -> nn.Module:
+        """The LM head drafting uses: the draft head when the vocabulary is reduced, else the target's."""
+        return self.draft_head if self.draft_head is not None else self.lm_head
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafter's logits -> target-vocabulary token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def vocab_index(self) -> torch.Tensor | None:
+        """Target-vocabulary id -> index into the drafter's logits (-1 outside the draft vocabulary), or None."""
+        if self.draft_vocab is None:
+            return None
+        index = torch.full((self.lm_head.weight.shape[0],), -1, dtype=torch.long, device=self.draft_vocab.device)
+        index[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=self.draft_vocab.device)
+        return index
 
     # --- the two halves -------------------------------------------------------------------------------------
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
@@ -106,6 +141,21 @@ class Drafter(nn.Module):
         """(h_kv, head_dim) of the self-attention cache."""
         raise NotImplementedError
 
+    def target_layers(self) -> dict[str, int]:
+        """Which of the drafter's decoder layers have the target's layer shape, and which target layer (index)
+        initialises each under `--layer-init target`."""
+        raise NotImplementedError
+
+    def init_from_target(self, target: Target) -> None:
+        """Copy target layers into the drafter's (same parameter names as Hugging Face Llama layers)."""
+        layers = target.model.model.layers
+        for name, index in self.target_layers().items():
+            state = layers[index % len(layers)].state_dict()
+            missing, unexpected = getattr(self, name).load_state_dict(state, strict=False)
+            if [k for k in missing if "rotary" not in k] or unexpected:
+                raise ValueError(f"target layer {index} does not fit the drafter's {name}: missing {missing}, "
+                                 f"unexpected {unexpected}")
+
     # --- save / load ----------------------------------------------------------------------------------------
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
@@ -115,13 +165,15 @@ class Drafter(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in self.trainable_state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE))
         meta = {
             "arch": self.arch,
             "config": asdict(self.config),
             "target": self.target_name,
             "target_fingerprint": self.target_fingerprint,
+            "draft_vocab_size": 0 if self.draft_vocab is None else len(self.draft_vocab),
             **(extra or {}),
         }
         (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -167,13 +219,27 @@ def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = Tru
         )
     cls = drafter_classes()[meta["arch"]]
     drafter = cls(cls.config_class(**meta["config"]), target).to(device=target.device, dtype=target.dtype)
+    if meta.get("draft_vocab_size"):
+        drafter.set_draft_vocab(torch.arange(meta["draft_vocab_size"]))  # the real ids come with the weights
     state = load_file(str(Path(path) / WEIGHTS_FILE))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
     if missing or unexpected:
         raise ValueError(f"drafter weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
     drafter.training_record = meta.get("training")
+    if drafter.draft_vocab is not None:
+        drafter.set_draft_vocab(drafter.draft_vocab)
     return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+def trainable_parameters(drafter: Drafter) -> list[nn.Parameter]:
+    """The drafter's own parameters (the shared target weights stay frozen); sets requires_grad accordingly."""
+    params = []
+    for name, p in drafter.named_parameters():
+        p.requires_grad_(not name.startswith(SHARED_PREFIXES))
+        if p.requires_grad:
+            params.append(p)
+    return params
 
 
 def distill_loss(
@@ -184,24 +250,41 @@ def distill_loss(
     ce_weight: float = 0.1,
     ce_fraction: float = 1.0,
     generator: torch.Generator | None = None,
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    vocab_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SmoothL1(feature, target hidden) + ce_weight * CE against the target's next-token distribution (forward KL).
 
     features/target_hidden (B, T, H); loss_mask (B, T) marks the positions that count. The CE term needs the LM
     head on both sides, the costliest part on CPU: `ce_fraction` < 1 takes it on a random share of positions.
+    The target's distribution is softmax(lm_head(target_hidden)) over the head's vocabulary, or, from a feature
+    cache, `target_topk` (ids (B,T,k) in the target vocabulary, probs (B,T,k)), mapped by `vocab_index` into a
+    reduced draft vocabulary and renormalised over what falls inside it.
     """
+    features, target_hidden = features.float(), target_hidden.float()
     m = loss_mask.to(features.dtype)
     l1 = (F.smooth_l1_loss(features, target_hidden, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
     pos = loss_mask.nonzero(as_tuple=True)
     if ce_fraction < 1.0 and len(pos[0]) > 1:
         keep = torch.randperm(len(pos[0]), generator=generator)[: max(1, int(len(pos[0]) * ce_fraction))]
         pos = (pos[0][keep], pos[1][keep])
-    logits = lm_head(features[pos])
-    with torch.no_grad():
-        target_logits = lm_head(target_hidden[pos])
-    p = torch.softmax(target_logits.float(), -1)
-    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean() if len(pos[0]) else l1 * 0
-    acc = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean() if len(pos[0]) else l1 * 0
+    if not len(pos[0]):
+        return l1, {"loss": l1.item(), "smooth_l1": l1.item(), "ce": 0.0, "top1": 0.0}
+    logq = torch.log_softmax(lm_head(features[pos]).float(), -1)
+    if target_topk is None:
+        with torch.no_grad():
+            p = torch.softmax(lm_head(target_hidden[pos]).float(), -1)
+        ce = -(p * logq).sum(-1).mean()
+        best = p.argmax(-1)
+    else:
+        ids, p = target_topk[0][pos], target_topk[1][pos].float()
+        if vocab_index is not None:
+            ids = vocab_index[ids]
+            p = p * (ids >= 0)
+        best = ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never agreed with)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+        ce = -(p * logq.gather(-1, ids.clamp(min=0))).sum(-1).mean()
+    acc = (logq.argmax(-1) == best).float().mean()
     loss = l1 + ce_weight * ce
     return loss, {"loss": loss.item(), "smooth_l1": l1.item(), "ce": ce.item(), "top1": acc.item()}
 

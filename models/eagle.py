@@ -53,6 +53,9 @@ class EagleDrafter(Drafter):
     def row_width(self) -> int:
         return self.config.hidden_size
 
+    def target_layers(self) -> dict[str, int]:
+        return {"layer": -1}
+
     def cache_shape(self) -> tuple[int, int]:
         return self.config.n_kv_heads, self.config.head_dim
 
@@ -64,7 +67,7 @@ class EagleDrafter(Drafter):
         """`features` (B, n, H): for each token x_t, the feature of position t-1 (its parent's)."""
         x = self.fc(torch.cat([features, self.embed(ids)], dim=-1))
         x, k, v = self.layer(x, positions, mask, past_k, past_v)
-        return DraftOutput(self.lm_head(x) if with_logits else None, x, k, v)
+        return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
     def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask=None) -> DraftOutput:
         """Teacher forcing on the target's features, shifted by one, with uniform noise while training."""

@@ -52,7 +52,7 @@ def chain_agreement(
                 out = drafter.draft_step(ids[:, i : i + 1], positions[:, i : i + 1], k, v, None,
                                          memory=memory[:, : s + 1], features=feat)
                 k, v, feat = out.keys, out.values, out.features
-                ranked = out.logits[0, -1].topk(max(widths)).indices
+                ranked = drafter.token_ids(out.logits[0, -1].topk(max(widths)).indices)
                 for w_i, w in enumerate(widths):
                     hits[w_i, d - 1] += bool((ranked[:w] == greedy[i]).any())
                 ok = bool(ranked[0] == greedy[i])

@@ -57,15 +57,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q (B, h, n, d), k/v (B, h_kv, m, d), mask (B or 1, 1, n, m) additive -> (B, n, h*d)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    if mask is not None:
-        scores = scores + mask
-    out = torch.softmax(scores, dim=-1) @ v
+    """q (B, h, n, d), k/v (B, h_kv, m, d), mask (B or 1, 1, n, m) additive -> (B, n, h*d).
+
+    PyTorch's fused attention (grouped heads without copying K/V) everywhere but in the ONNX export, which keeps
+    the plain formula: it maps to ONNX ops every runtime has."""
+    if torch.onnx.is_in_onnx_export():
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        if mask is not None:
+            scores = scores + mask
+        out = torch.softmax(scores, dim=-1) @ v
+    else:
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)
 

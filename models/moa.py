@@ -88,6 +88,9 @@ class MoADrafter(Drafter):
     def row_width(self) -> int:
         return self.ca.row_width
 
+    def target_layers(self) -> dict[str, int]:
+        return {"sa": 0, "ca": -1}
+
     def cache_shape(self) -> tuple[int, int]:
         return self.config.sa_kv_heads, self.config.head_dim
 
@@ -95,7 +98,7 @@ class MoADrafter(Drafter):
         """LSA: per token, a decoder layer over the L per-layer [key; value] vectors, mean, Linear -> m (B,n,H)."""
         b, L, n, w = keys.shape
         z = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(b * n, L, 2 * w)
-        layer_pos = torch.arange(L, device=z.device).expand(b * n, L)
+        layer_pos = torch.arange(L, device=z.device).view(1, L)  # broadcasts over the b*n tokens
         z, _, _ = self.lsa(z, layer_pos, None)
         return self.lsa_proj(z.mean(dim=1)).view(b, n, -1)
 
@@ -108,7 +111,7 @@ class MoADrafter(Drafter):
         x = self.embed(ids)
         x, k, v = self.sa(x, positions, mask, past_k, past_v)
         x = self.ca(x, positions, memory, memory_mask)
-        return DraftOutput(self.lm_head(x) if with_logits else None, x, k, v)
+        return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
     def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask) -> DraftOutput:
         """Whole sequences in one pass: memory rows of every position, CA limited by `memory_mask` (sync points)."""

@@ -89,6 +89,25 @@ class TargetStep:
     hidden: torch.Tensor  # (n, H) last hidden state, after the final norm (the LM head's input)
     keys: torch.Tensor  # (L, n, h_kv*d) post-RoPE keys, as cached
     values: torch.Tensor  # (L, n, h_kv*d)
+    topk_ids: torch.Tensor | None = None  # (n, k) the target's most likely next tokens (feature cache)
+    topk_probs: torch.Tensor | None = None  # (n, k) their probabilities
+
+
+def bf16_supported(device: torch.device | str = "cpu") -> bool:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def autocast(precision: str, device: torch.device | str = "cpu"):
+    """Mixed precision for training-time forwards: 'bf16', 'fp32', or 'auto' (bf16 where the hardware has bf16
+    matmuls: on a CPU with AVX512-BF16/AMX they run several times faster than fp32 ones)."""
+    device = torch.device(device)
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be auto, bf16 or fp32, got {precision!r}")
+    use = precision == "bf16" or (precision == "auto" and bf16_supported(device))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
 class Target:
@@ -261,7 +280,8 @@ def hash_weights(h, state: dict[str, torch.Tensor]) -> None:
     GPU server) hash alike."""
     for name, p in sorted(state.items()):
         h.update(name.encode())
-        h.update(p.detach().to(torch.float16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+        p = p.detach().cpu()
+        h.update((p.to(torch.float16).contiguous().view(torch.int16) if p.is_floating_point() else p).numpy().tobytes())
 
 
 def _default_target_dir() -> Path:

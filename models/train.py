@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from models.data import build_dataset, iter_source, load_encoded
-from models.drafter import build_drafter, distill_loss
+from models.data import build_dataset, iter_source, load_encoded, token_frequencies
+from models.drafter import Drafter, build_drafter, distill_loss, load_drafter, trainable_parameters
+from models.features import FeatureCache
 from models.evaluate import chain_agreement
 from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
-from models.target import load_target
+from models.target import Target, TargetStep, autocast, load_target
 
 
 @dataclass
@@ -60,6 +61,12 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     sizes: str = ""  # drafter config overrides, e.g. "sa_intermediate=1024,lsa_intermediate=512"
+    init: str = ""  # warm start: a saved drafter whose weights (and training record) this run continues
+    layer_init: str = "random"  # random | target: SA from the target's first layer, CA / EAGLE's from its last
+    features: str = ""  # feature cache directory (python -m models.features): no target forward per step
+    precision: str = "auto"  # auto | bf16 | fp32 (autocast of the forwards)
+    draft_vocab: int = 0  # reduced draft vocabulary: the N most frequent response tokens (0 = full)
+    heldout_source: str = ""  # conversations jsonl used as the held-out split instead of a random one
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, bool]:
@@ -93,6 +100,13 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "seed": "seed of data order, sync points and init",
         "threads": "torch CPU threads",
         "sizes": "drafter size overrides, comma-separated field=value",
+        "init": "continue a saved drafter (path or default|moa|eagle): its weights, fresh optimizer + --warmup",
+        "layer_init": "fresh drafters: random, or target (SA from the target's first layer, CA/EAGLE from its last)",
+        "features": "feature cache built by python -m models.features for this --data: the target does not run",
+        "precision": "autocast of the forwards: auto (bf16 where the hardware has bf16 matmuls), bf16, fp32",
+        "draft_vocab": "draft over the N most frequent response tokens of the training data (0 = full vocab)",
+        "heldout_source": "conversations jsonl held out as the evaluation split (e.g. the target's answers to "
+                          "the benchmark prompts); --n-heldout random ones otherwise",
     }
     for f in fields(TrainConfig):
         kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
@@ -141,22 +155,50 @@ def collate(samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, resp, lengths
 
 
-def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step: int, restrict_share: float):
-    """One micro-batch: frozen target forward, sync points, masks, drafter forward, loss."""
+def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step: int, restrict_share: float,
+                    full: TargetStep | None = None):
+    """One micro-batch: frozen target forward (unless `full` comes from the feature cache), sync points, masks,
+    drafter forward, loss."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     b, t = ids.shape
     pad = (torch.arange(t).view(1, t) < lengths.view(b, 1)).long()
-    with torch.no_grad():
-        full = target.full_forward(ids, attention_mask=pad)
+    if full is None:
+        with torch.no_grad(), autocast(cfg.precision, ids.device):
+            full = target.full_forward(ids, attention_mask=pad)
     last = last_sync_points(resp, cfg.sync_min, cfg.sync_max, g)
     restrict = torch.rand(b, generator=g) < restrict_share
-    dtype = full.hidden.dtype
+    dtype = torch.float32
     positions = torch.arange(t).view(1, t).expand(b, t)
-    out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
-                                memory_mask(last, dtype))
     lmask = loss_positions(resp, last) & pad.bool()
-    loss = distill_loss(out.features, full.hidden, drafter.lm_head, lmask, cfg.ce_weight, cfg.ce_fraction, g)
+    topk = (full.topk_ids, full.topk_probs) if full.topk_ids is not None else None
+    with autocast(cfg.precision, ids.device):
+        out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
+                                    memory_mask(last, dtype))
+        loss = distill_loss(out.features, full.hidden, drafter.head, lmask, cfg.ce_weight, cfg.ce_fraction, g,
+                            topk, drafter.vocab_index())
     return loss, int(pad.sum())
+
+
+def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
+    """A fresh drafter (random or target-initialised layers), or the --init one to continue; with the draft
+    vocabulary asked for."""
+    if cfg.init:
+        drafter = load_drafter(cfg.init, target).float()
+        if cfg.sizes:
+            raise ValueError("--sizes cannot change a drafter continued with --init")
+    else:
+        drafter = build_drafter(cfg.arch, target, **parse_sizes(cfg.sizes))
+        if cfg.layer_init == "target":
+            drafter.init_from_target(target)
+        elif cfg.layer_init != "random":
+            raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
+    if drafter.arch != cfg.arch:
+        raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
+    size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
+    if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
+        counts = token_frequencies(train_set)
+        drafter.set_draft_vocab(counts.most_common_ids(cfg.draft_vocab) if cfg.draft_vocab else None)
+    return drafter
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -171,8 +213,9 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 def prepare_data(cfg: TrainConfig, tokenizer) -> Path:
     data = Path(cfg.data)
     if not (data / "train.jsonl").exists():
+        heldout = list(iter_source(cfg.heldout_source)) if cfg.heldout_source else None
         stats = build_dataset(iter_source(cfg.source), tokenizer, data, cfg.max_len, cfg.n_heldout, cfg.limit,
-                              cfg.seed)
+                              cfg.seed, heldout)
         print(f"data {data}: {stats.summary()}", flush=True)
     return data
 
@@ -194,10 +237,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     per_epoch = len(batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, 0))
     total_steps = cfg.steps or max(1, int(cfg.epochs * per_epoch / cfg.grad_accum))
 
-    drafter = build_drafter(cfg.arch, target, **parse_sizes(cfg.sizes)).train()
-    params = [p for n, p in drafter.named_parameters() if not n.startswith(("embed.", "lm_head."))]
-    for n, p in drafter.named_parameters():
-        p.requires_grad_(not n.startswith(("embed.", "lm_head.")))
+    drafter = make_drafter(cfg, target, train_set).train()
+    params = trainable_parameters(drafter)
+    cache = (FeatureCache.open(cfg.features, train_set, target, need_kv=cfg.arch == "moa") if cfg.features
+             else None)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     drafter, opt = acc.prepare(drafter, opt)
     raw = acc.unwrap_model(drafter)
@@ -226,12 +269,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             epoch_batches = {epoch: batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, epoch)}
         batch = [train_set[j] for j in epoch_batches[epoch][index]]
         ids, resp, lens = (x.to(acc.device) for x in collate(batch))
+        full = cache.step(epoch_batches[epoch][index], ids.shape[1], acc.device) if cache else None
         restrict_share = max(0.0, 1.0 - state["step"] / max(1.0, cfg.curriculum * total_steps))
         for group in opt.param_groups:
             group["lr"] = lr_at(state["step"], total_steps, cfg)
         with acc.accumulate(drafter):
             (loss, logs), n_tokens = train_step_loss(raw, target, ids, resp, lens, cfg, state["micro"],
-                                                     restrict_share)
+                                                     restrict_share, full)
             acc.backward(loss)
             if acc.sync_gradients:
                 acc.clip_grad_norm_(params, 1.0)
@@ -268,13 +312,12 @@ def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, 
     ev = chain_agreement(drafter, target, heldout[: max(cfg.eval_samples, 40)])
     (out / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     split = json.loads((data / "split.json").read_text())
-    record = {
-        "arch": cfg.arch,
-        "target": target.name,
-        "target_fingerprint": target.fingerprint,
-        "data": {"dir": str(data), "source": cfg.source, "heldout_ids": len(split["heldout_ids"]),
-                 "stats": split.get("stats")},
-        "tokens_seen": state["tokens"],
+    leg = {
+        "data": {"dir": str(data), "source": cfg.source, "heldout_source": cfg.heldout_source or None,
+                 "heldout_ids": len(split["heldout_ids"]), "train_ids": len(split["train_ids"]),
+                 "stats": split.get("stats"), "features": cfg.features or None},
+        "init": cfg.init or cfg.layer_init,
+        "tokens": state["tokens"],
         "steps": state["step"],
         "wall_time_s": round(state["wall_s"], 1),
         "hardware": {"device": str(next(drafter.parameters()).device), "machine": platform.machine(),
@@ -282,11 +325,39 @@ def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, 
         "config": asdict(cfg),
         "heldout": ev,
     }
+    legs = previous_legs(cfg) + [leg]
+    record = {
+        "arch": cfg.arch,
+        "target": target.name,
+        "target_fingerprint": target.fingerprint,
+        "draft_vocab_size": 0 if drafter.draft_vocab is None else len(drafter.draft_vocab),
+        "tokens_seen": sum(x["tokens"] for x in legs),
+        "steps": sum(x["steps"] for x in legs),
+        "wall_time_s": round(sum(x["wall_time_s"] for x in legs), 1),
+        "legs": legs,
+        "heldout": ev,
+    }
     drafter.save_pretrained(out / "drafter", dtype=torch.float16, extra={"training": record})
     (out / "drafter" / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
     plot_curves(out / "metrics.jsonl", out / "curves.png")
     print(json.dumps({"arch": cfg.arch, "steps": state["step"], "tokens": state["tokens"], **ev}), flush=True)
     return record
+
+
+def previous_legs(cfg: TrainConfig) -> list[dict]:
+    """The training legs of the --init drafter (a record from before legs existed counts as one leg)."""
+    if not cfg.init:
+        return []
+    from models.defaults import resolve_drafter_path
+
+    record = json.loads((resolve_drafter_path(cfg.init) / "config.json").read_text()).get("training") or {}
+    if "legs" in record:
+        return record["legs"]
+    if not record:
+        return []
+    return [{"data": record.get("data"), "init": "random", "tokens": record.get("tokens_seen", 0),
+             "steps": record.get("steps", 0), "wall_time_s": record.get("wall_time_s", 0.0),
+             "hardware": record.get("hardware"), "config": record.get("config"), "heldout": record.get("heldout")}]
 
 
 def plot_curves(metrics_path: Path, png: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from models.data import Encoded
-from models.drafter import build_drafter
+from models.drafter import build_drafter, trainable_parameters
 from models.train import TrainConfig, collate, train_step_loss
 
 
@@ -28,7 +28,7 @@ def train_tiny(target, arch: str, steps: int = 150, seed: int = 0):
     torch.manual_seed(seed)
     data = greedy_continuations(target, 32, seed=seed)
     drafter = build_drafter(arch, target).train()
-    params = [p for n, p in drafter.named_parameters() if not n.startswith(("embed.", "lm_head."))]
+    params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=3e-3)
     cfg = TrainConfig(sync_min=2, sync_max=6)
     for step in range(steps):
