@@ -2,6 +2,7 @@
 
 A bundle is a directory:
     drafter.onnx         the draft step graph (ids, positions, SA cache, tree mask, memory rows | features)
+    draft_vocab.npy      (reduced draft vocabulary only) the target-vocabulary id of each logit column
     tokenizer.json       the target's tokenizer (`tokenizers` format)
     chat_template.jinja  the target's chat template
     bundle.json          architecture, sizes, dtype, opset, protocol version, target name + fingerprint,
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 from edge_client.chat import ChatTemplate, ChatTokenizer
 from edge_client.protocol import PROTOCOL_VERSION
 
@@ -24,6 +27,7 @@ BUNDLE_FILE = "bundle.json"
 GRAPH_FILE = "drafter.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
+VOCAB_FILE = "draft_vocab.npy"
 PAYLOAD_FILES = (GRAPH_FILE, TOKENIZER_FILE, TEMPLATE_FILE)
 FORMAT = "moa-edge-bundle"
 FORMAT_VERSION = 1
@@ -103,6 +107,17 @@ class Bundle:
     def eos_token_ids(self) -> list[int]:
         return [int(t) for t in self.meta["tokenizer"]["eos_token_ids"]]
 
+    def draft_vocab(self) -> np.ndarray | None:
+        """The reduced draft vocabulary (int64 ids, one per logit column), or None for the full vocabulary."""
+        size = self.meta.get("draft_vocab_size", 0)
+        if not size:
+            return None
+        ids = np.load(self.path / VOCAB_FILE, allow_pickle=False)
+        if ids.shape != (size,) or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.meta["vocab_size"]:
+            raise BundleError(f"{self.path / VOCAB_FILE}: expected {size} ids in [0, {self.meta['vocab_size']}), "
+                              f"got shape {ids.shape} {ids.dtype}")
+        return ids.astype(np.int64)
+
     @property
     def graph_path(self) -> Path:
         return self.path / GRAPH_FILE
@@ -151,7 +166,7 @@ def load_bundle(path: str | Path, verify_hashes: bool = True) -> Bundle:
         raise BundleError(f"{path}: no such bundle directory")
     meta = _read_meta(path)
     files = meta["files"]
-    for name in PAYLOAD_FILES:
+    for name in PAYLOAD_FILES + ((VOCAB_FILE,) if meta.get("draft_vocab_size") else ()):
         if name not in files:
             raise BundleError(f"{path / BUNDLE_FILE}: lists no checksum for {name}")
     for name, record in files.items():

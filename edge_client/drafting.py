@@ -30,6 +30,7 @@ class DraftStep(Protocol):
     arch: str
     keeps_draft_cache: bool
     cache_shape: tuple[int, int]
+    draft_vocab: np.ndarray | None  # int64 target-vocabulary id of each logit column (reduced vocab), or None
 
     def __call__(self, ids, positions, past_k, past_v, mask, memory, features) -> tuple[
         np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
@@ -103,9 +104,14 @@ class DraftSession:
             for node, f in zip(nodes, feats):
                 self._tree_features[node] = f
             self.stats.drafted_tokens += len(nodes)
-            return topk_logprobs(logits, self.candidates, temperature)
+            ids, logq = topk_logprobs(logits, self.candidates, temperature)
+            return self._vocab_ids(ids), logq
 
         return build_tree(expand, cfg, sample=temperature > 0, rng=rng)
+
+    def _vocab_ids(self, index: np.ndarray) -> np.ndarray:
+        """Logit columns -> target-vocabulary ids (they differ under a reduced draft vocabulary)."""
+        return index if self.step.draft_vocab is None else self.step.draft_vocab[index]
 
     def _expand_nodes(self, nodes, tokens, parents, depths, base):
         start = self.k.shape[1]
@@ -155,7 +161,7 @@ class DraftSession:
         if self.step.arch == "eagle":
             self.memory = np.concatenate([self.memory, feats])
         if temperature <= 0:
-            return int(np.argmax(logits[-1]))
+            return int(self._vocab_ids(np.argmax(logits[-1])))
         ids, logq = topk_logprobs(logits, self.candidates, temperature)
         p = np.exp(logq[0] - logq[0].max())
-        return int(rng.choice(ids[0], p=p / p.sum()))
+        return int(rng.choice(self._vocab_ids(ids[0]), p=p / p.sum()))

@@ -173,6 +173,7 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
 def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """(m, V) logits -> top-k ids and log-probs (full-softmax normalised) per row, best first."""
     logp = process_logits(logits, temperature if temperature > 0 else 1.0)
+    k = min(k, logp.shape[-1])
     ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
     vals = np.take_along_axis(logp, ids, -1)
     order = np.argsort(-vals, axis=-1, kind="stable")

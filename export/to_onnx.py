@@ -40,8 +40,8 @@ import onnxruntime
 import torch
 from torch import nn
 
-from edge_client.bundle import (BUNDLE_FILE, FORMAT, FORMAT_VERSION, GRAPH_FILE, TEMPLATE_FILE, TOKENIZER_FILE,
-                                file_records, load_bundle)
+from edge_client.bundle import (BUNDLE_FILE, FORMAT, FORMAT_VERSION, GRAPH_FILE, PAYLOAD_FILES, TEMPLATE_FILE,
+                                TOKENIZER_FILE, VOCAB_FILE, file_records, load_bundle)
 from edge_client.protocol import PROTOCOL_VERSION
 from edge_client.runtime import OUTPUTS, OrtDraftStep
 from edge_client.tree import TreeConfig
@@ -253,6 +253,7 @@ def bundle_metadata(drafter: Drafter, target: Target, source: Path, dtype: str, 
         "drafter": {"source": str(source), "config": asdict(drafter.config)},
         "hidden_size": spec.hidden_size,
         "vocab_size": spec.vocab_size,
+        "draft_vocab_size": 0 if drafter.draft_vocab is None else len(drafter.draft_vocab),
         "cache_shape": list(drafter.cache_shape()),
         "keeps_draft_cache": drafter.keeps_draft_cache,
         "memory": memory_layout(drafter),
@@ -335,8 +336,12 @@ def export_bundle(drafter: str | Path, out: str | Path, dtype: str = "fp32", tar
             export_graph(model, graph)
         onnx.checker.check_model(str(graph), full_check=True)
         write_tokenizer(target, staging)
+        names = list(PAYLOAD_FILES)
+        if model.draft_vocab is not None:
+            np.save(staging / VOCAB_FILE, model.draft_vocab.cpu().numpy().astype(np.int64))
+            names.append(VOCAB_FILE)
         meta = bundle_metadata(model, target, source, dtype, graph)
-        meta["files"] = file_records(staging)
+        meta["files"] = file_records(staging, names)
         (staging / BUNDLE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
         ort_step = OrtDraftStep(load_bundle(staging), providers="cpu")

@@ -88,7 +88,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "schedule": "cosine | constant",
         "tokens_per_step": "tokens (with padding) per micro-batch",
         "grad_accum": "micro-batches per optimizer step",
-        "steps": "optimizer steps (default: from --epochs)",
+        "steps": "optimizer steps (default: from --epochs; 0 with --init re-saves and re-evaluates, e.g. to apply "
+                 "--draft-vocab)",
         "epochs": "passes over the training split when --steps is not given",
         "max_minutes": "stop after this much wall time (counted across resumes)",
         "max_tokens": "stop after this many (non-padding) tokens seen",
@@ -235,7 +236,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         train_set = train_set[: cfg.limit]
     lengths = [len(s.ids) for s in train_set]
     per_epoch = len(batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, 0))
-    total_steps = cfg.steps or max(1, int(cfg.epochs * per_epoch / cfg.grad_accum))
+    total_steps = cfg.steps if cfg.steps is not None else max(1, int(cfg.epochs * per_epoch / cfg.grad_accum))
 
     drafter = make_drafter(cfg, target, train_set).train()
     params = trainable_parameters(drafter)

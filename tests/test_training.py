@@ -1,0 +1,122 @@
+"""Training pipeline on the tiny target: feature cache, reduced draft vocabulary, warm starts, target-layer init,
+batched on-policy regeneration."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models.data import token_frequencies
+from models.drafter import build_drafter, load_drafter
+from models.features import FeatureCache, build_cache
+from models.regenerate import greedy_batch
+from models.train import TrainConfig, collate, main as train_main, train_step_loss
+from tests.helpers import greedy_continuations
+
+
+@pytest.fixture(scope="module")
+def samples(tiny):
+    return greedy_continuations(tiny, 6, new=24)
+
+
+@pytest.fixture(scope="module")
+def cache(tiny, samples, tmp_path_factory):
+    out = tmp_path_factory.mktemp("features")
+    build_cache(tiny, samples, out, topk=tiny.spec.vocab_size, precision="fp32", tokens_per_batch=64)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["moa", "eagle"])
+def test_feature_cache_gives_the_in_loop_loss(tiny, samples, cache, arch):
+    """A step on cached features (fp16, full top-k) has the loss of a step that runs the target."""
+    torch.manual_seed(0)
+    drafter = build_drafter(arch, tiny).float()
+    features = FeatureCache.open(cache, samples, tiny, need_kv=arch == "moa")
+    cfg = TrainConfig(sync_min=2, sync_max=5, precision="fp32", ce_fraction=1.0)
+    index = [1, 4, 2]
+    ids, resp, lens = collate([samples[i] for i in index])
+    (live, _), n = train_step_loss(drafter, tiny, ids, resp, lens, cfg, 3, 0.0)
+    (cached, _), m = train_step_loss(drafter, tiny, ids, resp, lens, cfg, 3, 0.0, features.step(index, ids.shape[1]))
+    assert n == m
+    assert abs(live.item() - cached.item()) < 2e-3 * abs(live.item()), (live.item(), cached.item())
+    # the cache is tied to its data and its target
+    with pytest.raises(ValueError, match="other training data"):
+        FeatureCache.open(cache, samples[:3], tiny, need_kv=False)
+
+
+def test_feature_cache_resumes(tiny, samples, cache, tmp_path):
+    """A stopped build continues where it was and writes the same arrays."""
+    build_cache(tiny, samples[:2], tmp_path, topk=8, precision="fp32", tokens_per_batch=64)
+    out = tmp_path / "again"
+    build_cache(tiny, samples, out, topk=tiny.spec.vocab_size, precision="fp32", tokens_per_batch=64)
+    progress = json.loads((out / "progress.json").read_text())
+    (out / "progress.json").write_text(json.dumps({"batches": 1, "wall_s": progress["wall_s"]}))
+    np.load(out / "hidden.npy", mmap_mode="r+")[-5:] = 0  # a later batch that "was not written yet"
+    build_cache(tiny, samples, out, topk=tiny.spec.vocab_size, precision="fp32", tokens_per_batch=64)
+    for name in ("hidden", "keys", "topk_ids"):
+        np.testing.assert_array_equal(np.load(out / f"{name}.npy"), np.load(cache / f"{name}.npy"))
+
+
+def test_draft_vocab_maps_ids_and_survives_save(tiny, samples, tmp_path):
+    drafter = build_drafter("moa", tiny).float()
+    vocab = token_frequencies(samples).most_common_ids(40)
+    assert len(set(vocab)) == 40
+    drafter.set_draft_vocab(vocab)
+    x = torch.randn(1, 3, tiny.spec.hidden_size)
+    full = drafter.lm_head(x)
+    local = drafter.head(x)
+    assert local.shape[-1] == 40
+    torch.testing.assert_close(local, full[..., drafter.draft_vocab])
+    assert drafter.token_ids(local.argmax(-1)).tolist() == drafter.draft_vocab[local.argmax(-1)].tolist()
+    index = drafter.vocab_index()
+    assert (index[drafter.draft_vocab] == torch.arange(40)).all() and (index >= 0).sum() == 40
+    drafter.save_pretrained(tmp_path / "d")
+    again = load_drafter(tmp_path / "d", tiny)
+    assert again.draft_vocab.tolist() == sorted(vocab)
+    torch.testing.assert_close(again.head.weight.float(), drafter.head.weight)
+    with pytest.raises(ValueError, match="distinct"):
+        drafter.set_draft_vocab([1, 1, 2])
+
+
+def test_target_layer_init_copies_the_target_layers(tiny):
+    moa = build_drafter("moa", tiny)
+    moa.init_from_target(tiny)
+    layers = tiny.model.model.layers
+    torch.testing.assert_close(moa.sa.self_attn.q_proj.weight, layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(moa.ca.mlp.down_proj.weight, layers[-1].mlp.down_proj.weight)
+    eagle = build_drafter("eagle", tiny)
+    eagle.init_from_target(tiny)
+    torch.testing.assert_close(eagle.layer.input_layernorm.weight, layers[-1].input_layernorm.weight)
+
+
+def test_batched_regeneration_equals_one_at_a_time(tiny):
+    prompts = [[5, 9, 11, 3], [7, 8], [20, 21, 22, 23, 24, 25]]
+    eos = {int(tiny.tokenizer.eos_token_id)}
+    batched = greedy_batch(tiny.model, prompts, 12, eos, pad=0)
+    for p, got in zip(prompts, batched):
+        assert got == greedy_batch(tiny.model, [p], 12, eos, pad=0)[0]
+        assert 0 < len(got) <= 12
+
+
+def test_training_legs_accumulate(tiny, tmp_path, samples):
+    """A run continued with --init adds a leg to the drafter's training record; --steps 0 applies a draft vocab."""
+    rows = [{"id": s.id, "conversations": [{"role": "user", "content": tiny.tokenizer.decode(s.ids[:6])},
+                                           {"role": "assistant", "content": tiny.tokenizer.decode(s.ids[6:])}]}
+            for s in greedy_continuations(tiny, 12, new=30, seed=5)]
+    source = tmp_path / "convs.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", "tiny", "--data", str(tmp_path / "data"), "--source", str(source), "--n-heldout", "2",
+              "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1", "--precision", "fp32"]
+    train_main(["--arch", "moa", "--out", str(tmp_path / "a"), "--steps", "3", *common])
+    train_main(["--arch", "moa", "--out", str(tmp_path / "b"), "--steps", "2", "--init", str(tmp_path / "a/drafter"),
+                *common])
+    train_main(["--arch", "moa", "--out", str(tmp_path / "c"), "--steps", "0", "--init", str(tmp_path / "b/drafter"),
+                "--draft-vocab", "32", *common])
+    record = json.loads((tmp_path / "c/drafter/training_record.json").read_text())
+    assert [leg["steps"] for leg in record["legs"]] == [3, 2, 0]
+    assert record["steps"] == 5 and record["tokens_seen"] == sum(leg["tokens"] for leg in record["legs"])
+    assert record["draft_vocab_size"] == 32
+    assert load_drafter(tmp_path / "c/drafter", tiny).draft_vocab.numel() == 32
