@@ -97,6 +97,8 @@ def test_kill_resetting_server_then_restart_resyncs_to_the_api_text(rig, crash):
         assert s.result.token_ids == rig["reference"] and s.result.verified
         assert apply(shown) == s.result.text
         assert s.stats.reconnects == 1 and s.stats.offline_tokens > 0
+        print(f"\nfault: SIGKILL, {reset.resets} handshake resets, restart: {s.stats.offline_tokens} offline tokens, "
+              f"{s.stats.rewound_tokens} rewound, output equal to api")
 
 
 def test_cli_verify_waits_for_the_server_instead_of_ending_unverified(rig):
@@ -131,6 +133,8 @@ def test_generation_that_starts_offline_is_verified_when_the_server_returns(rig,
         shown += rest.result(WAIT_S)
         assert s.result.token_ids == rig["reference"] and s.result.verified
         assert apply(shown) == s.result.text and s.stats.rewound_tokens > 0
+        print(f"\nfault: started offline: {s.stats.offline_tokens} offline tokens, {s.stats.rewound_tokens} rewound, "
+              "output equal to api")
 
 
 def test_restart_with_another_drafter_finishes_offline_and_loses_nothing(rig, crash):
