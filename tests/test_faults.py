@@ -1,6 +1,6 @@
 """Faults against the edge client, on real processes (verify servers on loopback, the edge CLI, ONNX Runtime): a
 server that resets during the handshake, SIGKILL and restart mid-generation, a server that comes back with another
-drafter, a generation that starts offline, wss:// with a private CA. Nothing shown is lost or repeated, and under
+drafter or target, a generation that starts offline, wss:// with a private CA. Nothing shown is lost or repeated, and under
 `--on-reconnect verify` greedy output equals the server's own (api) output whenever the server comes back within
 the wait; when it does not, the exit status and --json say how many tokens are unverified."""
 
@@ -137,15 +137,17 @@ def test_generation_that_starts_offline_is_verified_when_the_server_returns(rig,
               "output equal to api")
 
 
-def test_restart_with_another_drafter_finishes_offline_and_loses_nothing(rig, crash):
+@pytest.mark.parametrize("other", ["drafter", "target"])
+def test_restart_with_another_model_finishes_offline_and_loses_nothing(rig, crash, other):
     with session(rig, crash) as s:
         chunks = s.generate(PROMPT, max_new_tokens=NEW)
         shown = pull_until(chunks, lambda: s.length - len(s.prompt) >= 8)
         verified = s.length - len(s.prompt)
         crash.kill()
-        other = verify_server(rig["root"] / "target", rig["root"] / "other")
-        other.port = crash.port
-        with other:  # the same address now serves another memory head: its fingerprint differs
+        server = verify_server(rig["root"] / "target", rig["root"] / "other") if other == "drafter" else \
+            ServerProcess(["--target", "tiny", "--drafter", "none", "--threads", "1"], env=crash.env)
+        server.port = crash.port
+        with server:  # the same address now serves another memory head or target: the fingerprint differs
             shown += drain(chunks).result(WAIT_S)
         out = s.result.token_ids
         assert out[:verified] == rig["reference"][:verified] and len(out) == NEW
