@@ -8,7 +8,11 @@
 
 Text streams to stdout as tokens are accepted; text made offline (unverified) is dim on a terminal. Under
 `--on-reconnect verify` offline text the target rejects is withdrawn: the stream prints ⟲ after it and goes on
-with the target's text (--json holds the final text only). Events and a status line go to stderr.
+with the target's text (--json holds the final text only); a reply that ends offline waits up to --resync-wait
+seconds for the server to verify it. Events and a status line go to stderr.
+
+exit status: 0 done; 1 error; 2 bad arguments; 3 under --on-reconnect verify, a reply ended with tokens the
+target never checked (the server did not come back within --resync-wait; --json says verified false and how many)
 """
 
 from __future__ import annotations
@@ -18,19 +22,27 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from edge_client.bundle import BundleError
 from edge_client.client import DEFAULT_SERVER, MODES, POLICIES, EdgeError, EdgeSession, LinkDown, Prompt, Result
-from edge_client.protocol import ROW_DTYPES
+from edge_client.protocol import ROW_DTYPES, sampling_problem
+from edge_client.runtime import PROVIDER_ALIASES, choose_providers
 from edge_client.tree import TreeConfig
 
 DIM, RESET = "\033[2m", "\033[0m"
 REWIND_MARK = "⟲"
+EXIT_UNVERIFIED = 3
 
 
 def parse_tree(text: str) -> TreeConfig | str:
-    return text if text == "auto" else TreeConfig.parse(text)
+    if text == "auto":
+        return text
+    try:
+        return TreeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,15 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)s)")
     n.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for a reply before going offline "
                    "(default: %(default)s)")
+    n.add_argument("--resync-wait", type=float, default=30.0, metavar="S", help="with --on-reconnect verify: seconds "
+                   "a reply that reached its end offline waits for the server to verify it (default: %(default)s)")
+    n.add_argument("--ca-file", help="PEM file of the CA certificates to trust for a wss:// server (e.g. a private "
+                   "CA or a self-signed server certificate)")
     n.add_argument("--disconnect-after", type=int, metavar="N", help="experiment: drop the link after N verified "
                    "tokens")
     n.add_argument("--offline-for", type=float, metavar="S", help="with --disconnect-after: reconnect after S seconds "
                    "(default: stay offline to the end)")
     r = p.add_argument_group("runtime and output")
-    r.add_argument("--providers", default="auto", help="ONNX Runtime providers: auto, cpu, cuda, tensorrt")
+    r.add_argument("--providers", default="auto", choices=("auto", *PROVIDER_ALIASES),
+                   help="ONNX Runtime providers (default: %(default)s)")
     r.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: its own choice)")
     r.add_argument("--json", action="store_true", help="print one JSON object per reply at the end (text, token_ids, "
-                   "finish_reason, stats) instead of streaming")
+                   "finish_reason, verified, unverified_tokens, stats) instead of streaming")
     r.add_argument("-q", "--quiet", action="store_true", help="no events or status line on stderr")
     return p
 
@@ -117,44 +134,75 @@ def reply(session: EdgeSession, prompt: Prompt, args: argparse.Namespace, consol
             console.write(REWIND_MARK if chunk.rewind else "")
             console.write(chunk, dim=chunk.offline)
     result = session.result
-    console.write(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason":
-                              result.finish_reason, "stats": session.stats.as_dict()}) + "\n" if args.json else "\n")
+    console.write(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                              "verified": result.verified, "unverified_tokens": result.unverified,
+                              "stats": session.stats.as_dict()}) + "\n" if args.json else "\n")
     if not args.quiet:
         logging.getLogger("moa.edge").warning(status_line(session))
     return result
 
 
-def chat(session: EdgeSession, args: argparse.Namespace, console: Console) -> None:
+def chat(session: EdgeSession, args: argparse.Namespace, console: Console) -> list[Result]:
     """Read user turns from stdin until EOF or /exit; the whole conversation is the prompt of each reply."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    results = []
     while True:
         try:
             line = input(">>> ").strip()
         except EOFError:
-            return
+            return results
         if line in ("/exit", "/quit"):
-            return
+            return results
         if line:
             messages.append({"role": "user", "content": line})
-            messages.append({"role": "assistant", "content": reply(session, messages, args, console).text})
+            results.append(reply(session, messages, args, console))
+            messages.append({"role": "assistant", "content": results[-1].text})
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument error, before the bundle and ONNX Runtime load (exit status 2)."""
+    if args.offline_for is not None and args.disconnect_after is None:
+        parser.error("--offline-for needs --disconnect-after")
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--threads", args.threads, 1),
+                             ("--disconnect-after", args.disconnect_after, 0), ("--offline-for", args.offline_for, 0),
+                             ("--resync-wait", args.resync_wait, 0), ("--top-k", args.top_k, 0)):
+        if value is not None and value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
+    if (problem := sampling_problem(args.temperature, args.top_p, args.top_k)) is not None:
+        parser.error(problem.replace("temperature", "--temperature").replace("top_p", "--top-p")
+                     .replace("top_k", "--top-k"))
+    if args.ca_file is not None:
+        if not args.server.startswith("wss://"):
+            parser.error("--ca-file is for a wss:// server")
+        if not Path(args.ca_file).is_file():
+            parser.error(f"--ca-file {args.ca_file}: no such file")
+    if args.bundle is not None and not Path(args.bundle).is_dir():
+        parser.error(f"--bundle {args.bundle}: no such directory")
+    try:
+        choose_providers(args.providers)
+    except ValueError as e:
+        parser.error(f"--providers {args.providers}: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.offline_for is not None and args.disconnect_after is None:
-        build_parser().error("--offline-for needs --disconnect-after")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     console = Console()
     logger = logging.getLogger("moa.edge")
     logger.addHandler(console)
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         with EdgeSession(args.bundle, args.server, args.token, args.mode, args.tree, args.on_reconnect,
-                         args.row_dtype, args.timeout, providers=args.providers, threads=args.threads) as session:
+                         args.row_dtype, args.timeout, providers=args.providers, threads=args.threads,
+                         resync_wait_s=args.resync_wait, cafile=args.ca_file) as session:
             if args.prompt is not None:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
-                reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)
+                results = [reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)]
             else:
-                chat(session, args, console)
+                results = chat(session, args, console)
     except LinkDown as e:
         print(f"moa-edge: error: {e} (is the server running? --mode offline generates without one)", file=sys.stderr)
         return 1
@@ -163,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    unverified = sum(r.unverified for r in results)
+    if args.on_reconnect == "verify" and args.mode == "speculative" and unverified:
+        print(f"moa-edge: {unverified} token(s) of the reply were never verified by the target: the server did not "
+              f"come back within --resync-wait {args.resync_wait:g} s", file=sys.stderr)
+        return EXIT_UNVERIFIED
     return 0
 
 

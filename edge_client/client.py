@@ -10,7 +10,9 @@ streams the text as tokens are accepted. The edge's transcript is the source of 
   `offline`, and reconnects in the background (exponential backoff with jitter).
 - Back online it resumes by policy. `keep`: the server takes the offline tokens as they are. `verify`: the target
   checks them and the edge rewinds to the first disagreement; the stream then carries a `Chunk` whose `rewind`
-  says how many characters of the text shown so far to delete before appending it.
+  says how many characters of the text shown so far to delete before appending it. Under `verify` a generation
+  that reaches its end on unverified tokens waits up to `resync_wait_s` for the server, then verifies and goes on;
+  `Result.unverified` counts the tokens the target never checked.
 - A server that lost the session (restart, expiry) gets the transcript again by prefill in a new session.
 
 `AsyncEdgeSession` is the asyncio front: the same session with its blocking work in a worker thread.
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import os
 import random
+import ssl
 import subprocess
 import sys
 import threading
@@ -98,6 +101,11 @@ class Result:
     text: str
     token_ids: list[int]
     finish_reason: str  # "eos" | "length" (| "stop" from the server in api mode)
+    unverified: int = 0  # tokens made by the edge drafter alone that the target never checked
+
+    @property
+    def verified(self) -> bool:
+        return self.unverified == 0
 
 
 @dataclass
@@ -214,19 +222,21 @@ class Link:
         self.welcome: dict[str, Any] = {}
 
     @classmethod
-    def open(cls, url: str, token: str | None, fingerprint: str, row_dtype: str, timeout_s: float) -> "Link":
-        """Connect and say hello. Raises ServerError (auth, fingerprint: fatal) or LinkDown (try again later)."""
+    def open(cls, url: str, token: str | None, fingerprint: str, row_dtype: str, timeout_s: float,
+             ssl_context: ssl.SSLContext | None = None) -> "Link":
+        """Connect and say hello. Raises ServerError (auth, fingerprint: fatal) or LinkDown (try again later).
+        `ssl_context` (wss:// only): e.g. one that trusts a private CA."""
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
             ws = connect(url, additional_headers=headers, open_timeout=timeout_s, close_timeout=1, max_size=None,
-                         compression=None, legacy=True)
+                         compression=None, legacy=True, ssl=ssl_context if url.startswith("wss://") else None)
         except InvalidURI:
             raise EdgeError(f"bad server URL {url!r}: expected ws://HOST:PORT or wss://HOST:PORT") from None
         except InvalidStatus as e:
             if e.response.status_code == 401:
                 raise ServerError(P.E_AUTH, "the server rejected the token (HTTP 401)") from None
             raise LinkDown(f"{url} refused the connection (HTTP {e.response.status_code})") from None
-        except (OSError, TimeoutError, InvalidHandshake) as e:
+        except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as e:  # closed: reset in the handshake
             raise LinkDown(f"cannot reach {url}: {e}") from None
         link = cls(ws, timeout_s)
         try:
@@ -313,14 +323,20 @@ class Reconnector:
                 continue
             except EdgeError as e:  # auth, fingerprint: trying again will not help
                 self.error = e
+            except Exception as e:  # a bug: report it to the session instead of ending the thread silently
+                self.error = EdgeError(f"reconnecting failed: {type(e).__name__}: {e}")
             break
         if self._stop.is_set() and self.link is not None:
             self.link.close()
         self._done.set()
 
+    def wait(self, timeout: float) -> bool:
+        """Block until the attempts have ended (connected or failed for good) or `timeout` seconds pass."""
+        return self._done.wait(timeout)
+
     def take(self, timeout: float = 0.0) -> Link | None:
         """The new link once connected, else None; a fatal connection error is raised here."""
-        if not self._done.wait(timeout):
+        if not self.wait(timeout):
             return None
         if self.error is not None:
             raise self.error
@@ -349,7 +365,8 @@ class EdgeSession:
     def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,
                  token: str | None = None, mode: str = "speculative", tree: TreeConfig | str = "auto",
                  on_reconnect: str = "keep", row_dtype: str = "fp16", timeout_s: float = 15.0,
-                 backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None):
+                 backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None,
+                 resync_wait_s: float = 30.0, cafile: str | None = None):
         for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),
                                      ("row_dtype", row_dtype, P.ROW_DTYPES)):
             if value not in allowed:
@@ -363,6 +380,8 @@ class EdgeSession:
         self.step = OrtDraftStep(self.bundle, providers, threads)
         self.server, self.token, self.mode, self.policy = server, token, mode, on_reconnect
         self.row_dtype, self.timeout_s, self.backoff_s = row_dtype, timeout_s, backoff_s
+        self.resync_wait_s = resync_wait_s  # under `verify`: how long a generation waits to verify its offline end
+        self.ssl_context = ssl.create_default_context(cafile=cafile) if cafile else None
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.stats = Stats(mode)
         self.result: Result | None = None
@@ -377,6 +396,8 @@ class EdgeSession:
         self.tokens: list[int] = []
         self.length = 0
         self.rows = np.zeros((0, self.bundle.row_width), np.float32)
+        self._pending: int | None = None  # the server's next token after tokens[:length] (this generation)
+        self._kept_unchecked = 0  # offline tokens of this generation the server took under `keep`
         self._draft: DraftSession | None = None  # drafts trees over the committed transcript
         self._offline: DraftSession | None = None  # generates alone while offline
         self._shown = ""
@@ -456,7 +477,7 @@ class EdgeSession:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def _open(self) -> Link:
-        return Link.open(self.server, self.token, self.fingerprint, self.row_dtype, self.timeout_s)
+        return Link.open(self.server, self.token, self.fingerprint, self.row_dtype, self.timeout_s, self.ssl_context)
 
     def _send(self, frame: bytes) -> None:
         self._link.send(frame)
@@ -486,7 +507,10 @@ class EdgeSession:
             if e.timed_out:
                 raise
             self._link.close()
-            self._link = self._open()
+            try:
+                self._link = self._open()
+            except ServerError as reopen:  # e.g. back with another model: offline, the reconnect attempts report it
+                raise LinkDown(str(reopen)) from None
             self.stats.retries += 1
             self._send(frame)
             return expect(self._receive(), reply_type)
@@ -500,16 +524,22 @@ class EdgeSession:
         if reply.fields["length"] != self.length or len(rows) != len(new):
             raise EdgeError(f"the server's transcript ({reply.fields['length']} tokens, {len(rows)} new rows) "
                             f"disagrees with the edge's ({self.length}, {len(new)})")
-        self.tokens.append(int(reply.fields["next_token"]))
+        self._pending = int(reply.fields["next_token"])
+        self.tokens.append(self._pending)
 
     # ---- speculative and offline generation -------------------------------------------------------------------
     def _speculative(self, prompt: list[int], max_new: int, drop_after: int | None,
                      offline_for: float | None) -> Iterator[Chunk]:
         self._start(prompt, max_new)
+        deadline = None  # for the wait to verify an offline end, from when the end is first reached
         while True:
             yield from self._emit(max_new)
             if self.result is not None:
-                return
+                self.result.unverified = self._unverified(len(self.result.token_ids))
+                deadline = deadline or time.monotonic() + self.resync_wait_s
+                if not self._resync_before_end(deadline):
+                    return
+                self.result = None
             if self._link is None:
                 self._adopt_link()
             if self._link is None:
@@ -525,7 +555,8 @@ class EdgeSession:
         """A new generation: keep what the server has committed of this prompt, connect, sync."""
         self.length = common_prefix(self.tokens[:self.length], prompt)  # memory rows still valid for this prompt
         self.prompt, self.tokens, self.rows = list(prompt), list(prompt), self.rows[:self.length]
-        self._draft = self._offline = None
+        self._draft = self._offline = self._pending = None
+        self._kept_unchecked = 0
         self._shown = ""
         if self.mode == "offline":
             return
@@ -577,6 +608,10 @@ class EdgeSession:
                                   P.PREFILLED)
             self.length, self.rows = 0, self.rows[:0]
             self._commit(self.tokens[:given], reply)  # tokens: the given ones + the server's next token
+            if tail and self.policy == "verify" and tail[0] != self._pending:  # resume checks all but the first
+                self.stats.rewound_tokens += len(tail)
+                log.info("resumed (verify): the target's first token differs, rewound %d offline tokens", len(tail))
+                tail = []
             if tail:  # the edge's own continuation stands: restore it and resume it
                 self.tokens[given:] = tail
                 self._resume()
@@ -589,6 +624,8 @@ class EdgeSession:
         reply = self._request(P.RESUME, {"length": self.length, "policy": self.policy, **self._sampling},
                               token_tensor(sent), P.RESUMED)
         kept = reply.fields["accepted_upto"]
+        if self.policy == "keep":
+            self._kept_unchecked += kept - (sent[0] == self._pending)  # all but the server's own next token
         self._commit(sent[:kept], reply)
         self.stats.rewound_tokens += len(sent) - kept
         if len(sent) > 1:
@@ -628,9 +665,37 @@ class EdgeSession:
         if reconnect_after is not None:
             self._reconnector = Reconnector(self._open, reconnect_after, self.backoff_s)
 
+    def _unverified(self, n_out: int) -> int:
+        """How many of the first `n_out` generated tokens the target never checked: those kept under `keep` and
+        those after the committed transcript and its pending next token."""
+        root = int(self.length < len(self.tokens) and self.tokens[self.length] == self._pending)
+        first = max(len(self.prompt), self.length + root)
+        return self._kept_unchecked + max(0, min(len(self.tokens), len(self.prompt) + n_out) - first)
+
+    def _resync_before_end(self, deadline: float) -> bool:
+        """Under `verify`, at the end of a generation with unverified tokens: wait until `deadline` for the
+        background reconnect and resync (True: generation goes on from the rewound transcript)."""
+        if self.policy != "verify" or self.result.verified or self._reconnector is None:
+            return False
+        wait = deadline - time.monotonic()
+        log.info("waiting up to %.1f s for the server to verify %d offline tokens", max(0.0, wait),
+                 self.result.unverified)
+        if not self._reconnector.wait(max(0.0, wait)):
+            log.warning("the server did not come back in time: %d tokens of the reply are unverified",
+                        self.result.unverified)
+            return False
+        self._adopt_link()
+        return self._link is not None or self._reconnector is not None  # None, None: it cannot come back
+
     def _adopt_link(self) -> None:
-        """Take up the background reconnect's link, if there is one yet, and resync."""
-        link = self._reconnector.take() if self._reconnector is not None else None
+        """Take up the background reconnect's link, if there is one yet, and resync. A reconnect that cannot
+        succeed (auth, another model on the server) ends the attempts: the generation finishes offline."""
+        try:
+            link = self._reconnector.take() if self._reconnector is not None else None
+        except EdgeError as e:
+            log.warning("cannot resync: %s; finishing offline, unverified", e)
+            self._reconnector = None
+            return
         if link is None:
             return
         log.info("back online after %d attempt(s)", self._reconnector.attempts)

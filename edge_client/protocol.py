@@ -26,6 +26,9 @@ DTYPES = ("int32", "int64", "float16", "float32", "int8", "uint8")
 ROW_DTYPES = ("fp16", "int8")
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 8  # the payload starts 8-aligned in the frame and tensors go largest itemsize first
+MAX_NDIM = 8  # tensor dimensions a frame may declare (the protocol's tensors have 1 or 2)
+INT_RANGE = (-(1 << 63), 1 << 63)  # header integers must fit in int64
+MIN_TEMPERATURE = 1e-3  # sampling temperatures are 0 (greedy) or at least this (smaller ones overflow the softmax)
 
 # Message types, client -> server.
 HELLO, PREFILL, VERIFY, RESUME = "hello", "prefill", "verify", "resume"
@@ -221,6 +224,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in the header")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of the float64 range")
+    return value
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not INT_RANGE[0] <= value < INT_RANGE[1]:
+        raise ValueError(f"integer {text[:40]} is out of the int64 range")
+    return value
+
+
 def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None) -> bytes:
     """Build one frame. Field values must be JSON-serialisable (numpy scalars are converted)."""
     if msg_type not in MESSAGE_TYPES:
@@ -252,8 +269,8 @@ def _entry(raw: Any) -> _Entry:
         raise TensorMismatch(f"tensor table entry without a string name: {str(raw)[:80]}")
     if not (isinstance(dtype, str) and dtype in DTYPES):
         raise TensorMismatch(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-        raise TensorMismatch(f"tensor {name!r}: bad shape {shape!r}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)):
+        raise TensorMismatch(f"tensor {name!r}: bad shape {str(shape)[:80]} (at most {MAX_NDIM} dimensions >= 0)")
     if not (_is_int(offset) and offset >= 0 and _is_int(nbytes) and nbytes >= 0):
         raise TensorMismatch(f"tensor {name!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
     dt = np.dtype(dtype).newbyteorder("<")
@@ -300,9 +317,12 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     if start > len(buf):
         raise MalformedFrame(f"truncated header: {header_len} bytes announced, {len(buf) - _PREFIX.size} present")
     try:
-        header = json.loads(bytes(buf[_PREFIX.size:start]).decode("utf-8"), parse_constant=_reject_constant)
+        header = json.loads(bytes(buf[_PREFIX.size:start]).decode("utf-8"), parse_constant=_reject_constant,
+                            parse_float=_finite_float, parse_int=_int64)
     except ValueError as exc:  # includes JSONDecodeError and UnicodeDecodeError
         raise MalformedFrame(f"bad header JSON: {exc}") from None
+    except RecursionError:
+        raise MalformedFrame("bad header JSON: nested too deeply") from None
     if not isinstance(header, dict):
         raise MalformedFrame("header is not a JSON object")
     v = header.get("v")
@@ -319,6 +339,15 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     if not isinstance(fields, dict) or not isinstance(table, list):
         raise MalformedFrame("header 'fields' must be an object and 'tensors' a list")
     return Message(msg_type, fields, _read_tensors(table, buf[start:]), v)
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None:
+    """Why these sampling settings are invalid, or None: temperature 0 (greedy) or in [MIN_TEMPERATURE, inf),
+    top_p in (0, 1], top_k >= 0 (0 = off)."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf) or not 0 < top_p <= 1 or top_k < 0:
+        return (f"bad sampling settings: temperature {temperature} (0 or >= {MIN_TEMPERATURE:g}), top_p {top_p} "
+                f"(in (0, 1]), top_k {top_k} (>= 0)")
+    return None
 
 
 def error_frame(code: str, message: str, seq: int | None = None, retry: bool = False) -> bytes:

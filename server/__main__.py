@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,8 +49,17 @@ async def serve_until_signal(app: App, config: ServerConfig) -> None:
     log.info("shut down")
 
 
+def check_address(host: str, port: int) -> None:
+    """Exit with a message if host:port cannot be listened on (checked before the model loads)."""
+    try:
+        socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+    except OSError as e:
+        sys.exit(f"moa-server: cannot listen on {host}:{port}: {e.strerror or e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    check_address(config.host, config.port)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from models.drafter import FingerprintMismatch
     from models.target import TargetLoadError
@@ -61,7 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     except (TargetLoadError, FingerprintMismatch, FileNotFoundError) as e:
         hint = " (--drafter none serves generate only)" if isinstance(e, FileNotFoundError) else ""
         sys.exit(f"moa-server: {e}{hint}")
-    asyncio.run(serve_until_signal(App(model, Credentials(config.tokens)), config))
+    try:
+        asyncio.run(serve_until_signal(App(model, Credentials(config.tokens)), config))
+    except OSError as e:  # the address was taken while the model loaded
+        sys.exit(f"moa-server: cannot listen on {config.host}:{config.port}: {e.strerror or e}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 One asyncio event loop handles every connection; it never runs model code. Model work goes to executor threads
 that pass through one FIFO ticket lock, the compute lane: one computation at a time, in arrival order (fair
-queueing, no batching). `generate` gives the lane back after every decoding round so that verifies of other
-sessions are not stuck behind a long generation. GET /healthz and GET /metrics share the websocket port.
+queueing, no batching). `generate` gives the lane back after every decoding round, and a long prefill or resume
+after every chunk, so that verifies of other sessions are not stuck behind them. One operation per session runs at
+a time. A connection that sends no hello within `hello_timeout_s` is closed. GET /healthz and GET /metrics share the
+websocket port.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ class App:
     async def handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, getattr(ws, "moa_owner", None))
         self.connections += 1
+        watchdog = asyncio.get_running_loop().call_later(self.limits.hello_timeout_s, self._no_hello, conn)
         try:
             async for frame in ws:
                 self.model.metrics.bytes_in += len(frame)
@@ -191,8 +194,14 @@ class App:
         except ConnectionClosed:
             pass
         finally:
+            watchdog.cancel()
             self.connections -= 1
             self._detach(conn)
+
+    def _no_hello(self, conn: Connection) -> None:
+        if conn.session_id is None:
+            log.info("closing a connection that sent no hello within %g s", self.limits.hello_timeout_s)
+            asyncio.ensure_future(conn.ws.close(CLOSE_POLICY, "no hello in time"))
 
     def _detach(self, conn: Connection) -> None:
         """A connection ended: its sessions wait for a resume until the idle timeout; unused ones go now."""
@@ -220,7 +229,7 @@ class App:
                 raise P.BadRequest(f"{msg.type} before hello: send hello first")
             await self.handlers[msg.type](conn, msg)
         except P.ProtocolError as e:
-            await self._error(conn, e.code, str(e), msg, retry=e.code == P.E_BUSY)
+            await self._error(conn, e.code, str(e), msg, retry=e.code in (P.E_BUSY, P.E_INTERNAL))
             if e.code in FATAL:
                 await conn.ws.close(CLOSE_POLICY, e.code)
         except ConnectionClosed:
@@ -250,14 +259,18 @@ class App:
         return s
 
     async def session_op(self, s: Session, fn: Callable[..., bytes], *args: Any) -> bytes:
-        """Run a session operation; a session that failed half-way may be inconsistent and is dropped."""
-        try:
-            return await self.compute(fn, *args)
-        except P.ProtocolError:
-            raise
-        except Exception:
-            self.sessions.pop(s.id, None)
-            raise
+        """Run a session operation, one per session at a time; one that fails half-way is undone (the session
+        stays) and answered `internal` with retry true."""
+        async with s.lock:
+            try:
+                return await self.compute(fn, *args)
+            except P.ProtocolError:
+                raise
+            except Exception as e:
+                log.exception("internal error in session %s", s.id)
+                await self.compute(s.recover)
+                raise P.ProtocolError(f"internal server error: {type(e).__name__}: {e} (the session is as it was "
+                                      "before this request)", P.E_INTERNAL) from None
 
     def tokens(self, msg: P.Message) -> list[int]:
         tokens = msg.tensors["tokens"]
@@ -280,10 +293,13 @@ class App:
             raise P.ProtocolError(f"the edge bundle does not fit this server: {', '.join(diff)} differ (server "
                                   f"{self.model.fingerprint}, edge {f['fingerprint']}); export the bundle from the "
                                   "server's target and drafter", P.E_FINGERPRINT)
-        if len(self.sessions) >= self.limits.max_sessions:
+        if len(self.sessions) >= self.limits.max_sessions or self._held(owner) >= self.limits.max_sessions_per_token:
             self.reap()
         if len(self.sessions) >= self.limits.max_sessions:
             raise P.ProtocolError(f"all {self.limits.max_sessions} sessions are in use, retry later", P.E_BUSY)
+        if self._held(owner) >= self.limits.max_sessions_per_token:
+            raise P.ProtocolError(f"these credentials hold {self.limits.max_sessions_per_token} sessions, the most "
+                                  "allowed: close one or retry once idle ones expire", P.E_BUSY)
         s = Session(secrets.token_urlsafe(16), owner, f["row_dtype"], self.model)
         self.sessions[s.id] = s
         conn.owner, conn.session_id = owner, s.id
@@ -295,9 +311,13 @@ class App:
             "row_width": self.model.row_width, "row_dtype": s.row_dtype,
             "verify_ms": {str(n): round(t * 1e3, 3) for n, t in self.model.verify_s.items()} or None}))
 
+    def _held(self, owner: str) -> int:
+        """Sessions held by these credentials (on an open server every client is one owner: no quota)."""
+        return 0 if self.credentials.open else sum(s.owner == owner for s in self.sessions.values())
+
     async def on_prefill(self, conn: Connection, msg: P.Message) -> None:
         s = self.session(conn, msg.fields.get("session_id"))
-        args = (msg.fields["seq"], self.tokens(msg), sampling_of(msg.fields))
+        args = (msg.fields["seq"], self.tokens(msg), sampling_of(msg.fields), self.lane.yield_turn)
         await self.send(conn, await self.session_op(s, s.prefill, *args))
 
     async def on_verify(self, conn: Connection, msg: P.Message) -> None:
@@ -312,7 +332,7 @@ class App:
         s = self.session(conn, f["session_id"])
         if f["length"] < 0:
             raise P.BadRequest(f"resume: length {f['length']} is negative")
-        args = (f["length"], self.tokens(msg), f["policy"], sampling_of(f))
+        args = (f["length"], self.tokens(msg), f["policy"], sampling_of(f), self.lane.yield_turn)
         await self.send(conn, await self.session_op(s, s.resume, *args))
 
     async def on_generate(self, conn: Connection, msg: P.Message) -> None:
@@ -352,6 +372,8 @@ class App:
     async def on_close(self, conn: Connection, msg: P.Message) -> None:
         s = self.session(conn, msg.fields.get("session_id"))
         del self.sessions[s.id]
+        if s.id == conn.session_id:  # this connection may say hello again for a new session
+            conn.session_id = None
         log.info("session %s closed", s.id)
 
     async def on_ping(self, conn: Connection, msg: P.Message) -> None:

@@ -7,6 +7,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_client.tree import TreeConfig
 from server.auth import TOKENS_ENV, load_tokens
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -26,7 +27,8 @@ authentication:
 
 compute:
   Model work runs off the event loop in one compute lane: requests are served one at a time in arrival
-  order (fair FIFO, not batched); `generate` gives the lane back after every decoding round.
+  order (fair FIFO, not batched); `generate` gives the lane back after every decoding round, a long prefill
+  or resume after every --prefill-chunk tokens.
 
 examples:
   moa-server                                   default target + shipped MoA drafter on 127.0.0.1:8765
@@ -42,6 +44,9 @@ class Limits:
     max_tree_tokens: int = 128
     max_message_bytes: int = 1 << 20
     idle_timeout_s: float = 300.0
+    max_sessions_per_token: int = 16  # sessions one credential may hold (with tokens configured)
+    hello_timeout_s: float = 10.0  # a connection that sends no hello within this is closed
+    prefill_chunk: int = 256  # tokens per target forward of a prefill/resume; other sessions run in between
 
     def public(self) -> dict[str, Any]:
         """The limits a `welcome` announces."""
@@ -122,15 +127,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest incoming frame; bigger ones close the connection with 1009 (default: %(default)s)")
     g.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s,
                    help="seconds a session without a connection is kept for resume (default: %(default)s)")
+    g.add_argument("--max-sessions-per-token", type=int, default=lim.max_sessions_per_token,
+                   help="sessions one bearer token may hold (default: %(default)s)")
+    g.add_argument("--hello-timeout", type=float, default=lim.hello_timeout_s,
+                   help="seconds a new connection has to send hello before it is closed (default: %(default)s)")
+    g.add_argument("--prefill-chunk", type=int, default=lim.prefill_chunk,
+                   help="tokens per target forward of a long prefill or resume; other sessions' requests run "
+                   "between chunks (default: %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"),
                    help="default: %(default)s")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
-    a = build_parser().parse_args(argv)
+    """The configuration; every argument is checked here, before any model loads (errors exit with status 2)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
     if a.keyfile and not a.certfile:
-        build_parser().error("--keyfile needs --certfile")
-    limits = Limits(a.max_sessions, a.max_context, a.max_tree_tokens, a.max_message_bytes, a.idle_timeout)
-    return ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.threads,
-                        load_tokens(a.tokens_file), a.certfile, a.keyfile, limits, a.log_level)
+        parser.error("--keyfile needs --certfile")
+    if not 0 <= a.port <= 65535:
+        parser.error(f"--port {a.port} is not in 0..65535")
+    for flag in ("max_sessions", "max_context", "max_tree_tokens", "max_message_bytes", "max_sessions_per_token",
+                 "prefill_chunk", "threads"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if a.tree != "auto":
+        try:
+            TreeConfig.parse(a.tree)
+        except ValueError as e:
+            parser.error(str(e))
+    for flag in ("idle_timeout", "hello_timeout"):
+        if not getattr(a, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
+    try:
+        tokens = load_tokens(a.tokens_file)
+        config = ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.threads, tokens,
+                              a.certfile, a.keyfile, log_level=a.log_level, limits=Limits(
+                                  a.max_sessions, a.max_context, a.max_tree_tokens, a.max_message_bytes,
+                                  a.idle_timeout, a.max_sessions_per_token, a.hello_timeout, a.prefill_chunk))
+        config.ssl_context()
+    except (OSError, ssl.SSLError) as e:
+        parser.error(f"cannot read {e.filename or 'the TLS certificate or key'}: {e.strerror or e}")
+    return config

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -35,8 +36,12 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def tls(self) -> bool:
+        return "--certfile" in self.args
+
+    @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}"
 
     def start(self) -> "ServerProcess":
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
@@ -48,9 +53,10 @@ class ServerProcess:
     def wait_ready(self, timeout: float = 600) -> "ServerProcess":
         """Poll GET /healthz; a server that exits or stays silent past `timeout` raises with its log."""
         deadline = time.monotonic() + timeout
+        scheme, context = ("https", ssl._create_unverified_context()) if self.tls else ("http", None)
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=5):
+                with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/healthz", timeout=5, context=context):
                     return self
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -1,12 +1,15 @@
 """Verify-server state and operations, free of networking: the served model and one `Session` per edge transcript.
 
 Every method here runs in the server's compute lane (one at a time, see `server.app`). A session's operations
-check everything that depends on its state before they touch it, so a refused request leaves it unchanged.
+check everything that depends on its state before they touch it, so a refused request leaves it unchanged; one that
+fails half-way is undone by `Session.recover`. Long target forwards (prefill, resume) run in chunks of
+`Limits.prefill_chunk` tokens and call `pause` between them, where the compute lane serves other sessions.
 Replies are encoded frames (docs/protocol.md); the last prefill/verify reply is kept for retries of its `seq`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -47,10 +50,26 @@ def sampling_of(fields: dict[str, Any]) -> Sampling:
     temperature = fields.get("temperature") or 0.0
     top_p = 1.0 if fields.get("top_p") is None else fields["top_p"]
     top_k = fields.get("top_k") or 0
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise P.ProtocolError(f"bad sampling settings: temperature {temperature} (>= 0), top_p {top_p} (in (0, 1]), "
-                              f"top_k {top_k} (>= 0)", P.E_BAD_REQUEST)
+    if (problem := P.sampling_problem(temperature, top_p, top_k)) is not None:
+        raise P.ProtocolError(problem, P.E_BAD_REQUEST)
     return Sampling(float(temperature), int(top_k), float(top_p))
+
+
+def no_pause() -> None:
+    """A `pause` that lets nothing else run."""
+
+
+def forward_chunked(runner: TargetRunner, tokens: list[int], chunk: int, pause: Callable[[], None]) -> TargetStep:
+    """The target over `tokens` appended to the runner's cache, `chunk` tokens per forward, `pause()` between."""
+    steps = []
+    for i in range(0, len(tokens), chunk):
+        if i:
+            pause()
+        steps.append(runner.forward(tokens[i:i + chunk]))
+    if len(steps) == 1:
+        return steps[0]
+    return TargetStep(*(torch.cat([getattr(s, name) for s in steps], dim) for name, dim in
+                        (("logits", 0), ("hidden", 0), ("keys", 1), ("values", 1))))
 
 
 class Model:
@@ -81,9 +100,17 @@ class Model:
             raise P.ProtocolError("this server runs without a drafter (--drafter none): it serves generate only",
                                   P.E_BAD_REQUEST)
 
-    def rows(self, step: TargetStep, start: int) -> np.ndarray:
-        """Memory rows of the verified tokens in `step`, at positions start, start+1, ..."""
-        return self.memory_head.memory_rows(step, list(range(start, start + step.hidden.shape[0])))
+    def rows(self, step: TargetStep, start: int, pause: Callable[[], None] = no_pause) -> np.ndarray:
+        """Memory rows of the verified tokens in `step`, at positions start, start+1, ...: `prefill_chunk` tokens at
+        a time, `pause()` between."""
+        n, chunk = step.hidden.shape[0], self.limits.prefill_chunk
+        parts = []
+        for i in range(0, n, chunk):
+            if i:
+                pause()
+            j = min(n, i + chunk)
+            parts.append(self.memory_head.memory_rows(_slice(step, j, i), list(range(start + i, start + j))))
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
     def engine(self, drafter: str) -> SpeculativeEngine:
         """The generation engine for `generate` (drafter none | server), built on first use."""
@@ -105,8 +132,8 @@ class Model:
                                  "stats": result.stats.as_dict()})
 
 
-def _slice(step: TargetStep, n: int) -> TargetStep:
-    return TargetStep(step.logits[:n], step.hidden[:n], step.keys[:, :n], step.values[:, :n])
+def _slice(step: TargetStep, n: int, start: int = 0) -> TargetStep:
+    return TargetStep(step.logits[start:n], step.hidden[start:n], step.keys[:, start:n], step.values[:, start:n])
 
 
 @dataclass
@@ -122,8 +149,10 @@ class Session:
     next_token: int | None = None  # the root of the next tree (not committed)
     last_seq: int = -1
     last_reply: bytes | None = None
+    last_type: str | None = None  # the reply type of last_seq's request (prefilled | verified)
     last_used: float = field(default_factory=time.monotonic)
     connections: int = 0  # open connections that used this session
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # one operation at a time (server.app)
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,9 +162,19 @@ class Session:
     def used(self) -> bool:
         return self.runner is not None
 
-    def _repeat(self, seq: int) -> bytes | None:
-        """The cached reply for a retried `seq`; None for a new one; bad_request for an older one."""
+    def recover(self) -> None:
+        """After an operation failed half-way: the target cache back to the committed transcript (a pending next
+        token that may no longer fit it was already dropped), so the session serves its next request."""
+        if self.runner is not None:
+            self.runner.crop(len(self.tokens))
+
+    def _repeat(self, seq: int, reply_type: str) -> bytes | None:
+        """The cached reply for a retried `seq`; None for a new one; bad_request for an older one or for a retry
+        that is another kind of request."""
         if seq == self.last_seq and self.last_reply is not None:
+            if self.last_type != reply_type:
+                raise P.ProtocolError(f"seq {seq} was already used by a request answered with {self.last_type}: a "
+                                      "new request needs a higher seq", P.E_BAD_REQUEST)
             return self.last_reply
         if seq <= self.last_seq:
             raise P.ProtocolError(f"stale seq {seq}: this session already processed seq {self.last_seq}",
@@ -150,31 +189,36 @@ class Session:
     def _reply(self, msg_type: str, fields: dict[str, Any], rows: np.ndarray, seq: int | None = None) -> bytes:
         frame = P.encode(msg_type, {**fields, "length": len(self.tokens)}, P.encode_rows(rows, self.row_dtype))
         if seq is not None:
-            self.last_seq, self.last_reply = seq, frame
+            self.last_seq, self.last_reply, self.last_type = seq, frame, msg_type
         return frame
 
-    def _commit(self, tokens: list[int], step: TargetStep, next_token: int) -> tuple[np.ndarray, float]:
+    def _commit(self, tokens: list[int], step: TargetStep, next_token: int,
+                pause: Callable[[], None] = no_pause) -> tuple[np.ndarray, float]:
         """Append verified tokens (their target activations in `step`); return their memory rows and the time."""
         t = time.perf_counter()
-        rows = self.model.rows(step, len(self.tokens))
+        rows = self.model.rows(step, len(self.tokens), pause)
         self.tokens.extend(tokens)
         self.next_token = next_token
         self.model.metrics.committed_tokens += len(tokens)
         return rows, time.perf_counter() - t
 
-    def prefill(self, seq: int, tokens: list[int], sampling: Sampling) -> bytes:
-        """Replace the transcript with `tokens`: target forward, memory rows of all of them, first next token."""
+    def prefill(self, seq: int, tokens: list[int], sampling: Sampling, pause: Callable[[], None] = no_pause) -> bytes:
+        """Replace the transcript with `tokens`: target forward, memory rows of all of them, first next token.
+        Nothing changes until all of it is computed."""
         self.model.require_memory_head()
-        if (cached := self._repeat(seq)) is not None:
+        if (cached := self._repeat(seq, P.PREFILLED)) is not None:
             return cached
         self._check_context(len(tokens))
         t = time.perf_counter()
         runner = self.model.target.new_runner()
-        step = runner.forward(tokens)
+        step = forward_chunked(runner, tokens, self.model.limits.prefill_chunk, pause)
         next_token = sample_token(step.logits[-1], sampling, self.generator)
         target_s = time.perf_counter() - t
-        self.runner, self.tokens = runner, []
-        rows, rows_s = self._commit(tokens, step, next_token)
+        t = time.perf_counter()
+        rows = self.model.rows(step, 0, pause)
+        rows_s = time.perf_counter() - t
+        self.runner, self.tokens, self.next_token = runner, list(tokens), next_token
+        self.model.metrics.committed_tokens += len(tokens)
         self.model.metrics.target_seconds += target_s + rows_s
         return self._reply(P.PREFILLED, {"seq": seq, "next_token": next_token,
                                          "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
@@ -182,7 +226,7 @@ class Session:
     def verify(self, seq: int, root: int, tree: DraftTree, sampling: Sampling) -> bytes:
         """Verify root + tree against the target, keep the accepted path, return its memory rows."""
         self.model.require_memory_head()
-        if (cached := self._repeat(seq)) is not None:
+        if (cached := self._repeat(seq, P.VERIFIED)) is not None:
             return cached
         if self.next_token is None:
             raise P.ProtocolError("verify before prefill: send prefill first", P.E_BAD_REQUEST)
@@ -199,7 +243,8 @@ class Session:
         return self._reply(P.VERIFIED, {"seq": seq, "accepted": accepted, "next_token": verified.next_token,
                                         "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
 
-    def resume(self, length: int, tokens: list[int], policy: str, sampling: Sampling) -> bytes:
+    def resume(self, length: int, tokens: list[int], policy: str, sampling: Sampling,
+               pause: Callable[[], None] = no_pause) -> bytes:
         """Continue at the client's committed `length` with its offline `tokens` (root first).
 
         keep: all of them become verified; verify: only the prefix the greedy target agrees with.
@@ -212,8 +257,9 @@ class Session:
         t = time.perf_counter()
         self.runner.crop(length)
         del self.tokens[length:]
+        self.next_token = None  # until this resume is done: a failure half-way leaves no stale root
         self.last_reply = None  # a retry of an earlier seq must not replay a reply from before the rewind
-        step = self.runner.forward(tokens)
+        step = forward_chunked(self.runner, tokens, self.model.limits.prefill_chunk, pause)
         upto = len(tokens)
         if policy == "verify":
             disagree = np.flatnonzero(step.logits[:-1].argmax(-1).cpu().numpy() != np.asarray(tokens[1:]))
@@ -221,7 +267,7 @@ class Session:
             self.runner.crop(length + upto)
         next_token = sample_token(step.logits[upto - 1], sampling, self.generator)
         target_s = time.perf_counter() - t
-        rows, rows_s = self._commit(tokens[:upto], _slice(step, upto), next_token)
+        rows, rows_s = self._commit(tokens[:upto], _slice(step, upto), next_token, pause)
         self.model.metrics.target_seconds += target_s + rows_s
         return self._reply(P.RESUMED, {"accepted_upto": upto, "next_token": next_token,
                                        "timings": {"target_s": target_s, "rows_s": rows_s}}, rows)

@@ -1,6 +1,11 @@
-"""Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted."""
+"""Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted; a server that
+resets every connection."""
 
 from __future__ import annotations
+
+import socket
+import struct
+import threading
 
 import torch
 
@@ -38,3 +43,33 @@ def train_tiny(target, arch: str, steps: int = 150, seed: int = 0):
         loss.backward()
         opt.step()
     return drafter.eval().requires_grad_(False)
+
+
+class ResetServer:
+    """A loopback TCP server that accepts every connection and resets it at once (RST, no websocket handshake):
+    `with ResetServer(port) as s:` ... `s.resets` connections reset so far."""
+
+    def __init__(self, port: int = 0):
+        self.sock = socket.create_server(("127.0.0.1", port))
+        self.port = self.sock.getsockname()[1]
+        self.resets = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="reset-server")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            self.resets += 1
+
+    def __enter__(self) -> "ResetServer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(10)
