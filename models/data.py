@@ -8,6 +8,7 @@ skipped and counted, never a crash.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections import Counter
@@ -46,7 +47,8 @@ def iter_sharegpt() -> Iterator[dict]:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    with open(path) as f:
+    """Objects of a jsonl file (gzip-compressed when it ends in .gz)."""
+    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
         for line in f:
             line = line.strip()
             if line:

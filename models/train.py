@@ -57,6 +57,7 @@ class TrainConfig:
     ce_fraction: float = 0.25
     eval_every: int = 200
     eval_samples: int = 8
+    final_eval_samples: int = 40
     save_every: int = 100
     seed: int = 0
     threads: int | None = None
@@ -97,6 +98,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "ce_fraction": "share of loss positions that get the CE term (the LM head dominates CPU cost)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
+        "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
         "save_every": "checkpoint every N steps",
         "seed": "seed of data order, sync points and init",
         "threads": "torch CPU threads",
@@ -310,7 +312,7 @@ def save_checkpoint(acc, out: Path, state: dict) -> None:
 
 def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, out: Path) -> dict:
     """Final held-out evaluation, fp16 drafter + training record, and the curves plot."""
-    ev = chain_agreement(drafter, target, heldout[: max(cfg.eval_samples, 40)])
+    ev = chain_agreement(drafter, target, heldout[: cfg.final_eval_samples])
     (out / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     split = json.loads((data / "split.json").read_text())
     leg = {

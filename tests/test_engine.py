@@ -144,14 +144,17 @@ def chi_square_p(counts, joint, n):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=8, top_p=0.9)])
-def test_sampling_keeps_the_target_distribution(sampling):
+@pytest.mark.parametrize("sampling,draft_vocab", [(Sampling(1.0), None), (Sampling(0.8, top_k=8, top_p=0.9), None),
+                                                  (Sampling(1.0), [0, 2, 3, 6, 7, 9, 11])])
+def test_sampling_keeps_the_target_distribution(sampling, draft_vocab):
+    """Also with a reduced draft vocabulary: q is zero outside it and the residual covers the rest."""
     from models.drafter import build_drafter
     from models.tiny import tiny_target
 
     tiny = tiny_target(vocab_size=12, seed=3)
     torch.manual_seed(1)
     drafter = build_drafter("moa", tiny).eval()  # untrained: q differs from p, so the residual matters
+    drafter.set_draft_vocab(draft_vocab)
     prompt, root, n = [3, 5, 7, 4, 9], 6, 2000  # the broken residual scores p < 1e-100 already
     joint = joint_first_two(tiny, prompt, root, sampling)
     good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)"), joint, n)

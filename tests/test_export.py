@@ -94,6 +94,22 @@ def test_ort_trees_equal_torch_trees(exported, target, arch):
         assert_same_trees(target, drafter, bundle_dir, prompt)
 
 
+def test_reduced_draft_vocab_bundle(target, tmp_path):
+    """A drafter with a reduced draft vocabulary exports its id map; ORT drafts the same trees, in target ids."""
+    drafter = build_drafter("moa", target)
+    drafter.set_draft_vocab(list(range(3, 60)))
+    drafter.save_pretrained(tmp_path / "drafter")
+    meta = export_bundle(tmp_path / "drafter", tmp_path / "bundle", "fp32", target, parity_prompts=PROMPTS,
+                         heldout_prompts=(), log=lambda s: None)
+    assert meta["draft_vocab_size"] == 57 and "draft_vocab.npy" in meta["files"]
+    step = OrtDraftStep(tmp_path / "bundle", providers="cpu")
+    assert step.draft_vocab.tolist() == list(range(3, 60))
+    assert_same_trees(target, load_drafter(tmp_path / "drafter", target).float(), tmp_path / "bundle", PROMPTS[1])
+    np.save(tmp_path / "bundle" / "draft_vocab.npy", np.arange(57))
+    with pytest.raises(BundleError, match="sha256"):
+        load_bundle(tmp_path / "bundle")
+
+
 # ---- the bundle ------------------------------------------------------------------------------------------------
 def test_bundle_round_trip_and_fingerprint(exported, target):
     _, bundle_dir, meta = exported["moa"]

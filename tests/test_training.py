@@ -109,7 +109,8 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     source = tmp_path / "convs.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["--target", "tiny", "--data", str(tmp_path / "data"), "--source", str(source), "--n-heldout", "2",
-              "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1", "--precision", "fp32"]
+              "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1", "--final-eval-samples", "1",
+              "--precision", "fp32"]
     train_main(["--arch", "moa", "--out", str(tmp_path / "a"), "--steps", "3", *common])
     train_main(["--arch", "moa", "--out", str(tmp_path / "b"), "--steps", "2", "--init", str(tmp_path / "a/drafter"),
                 *common])

@@ -1,0 +1,89 @@
+"""The training campaign's curves: held-out expected tau of each drafter against tokens seen and wall time, over
+every leg (the legs a run continued, from its --init drafter's training record, come first).
+
+    python -m bench.campaign --runs runs/moa_leg2 runs/eagle_leg2 --out runs/campaign
+
+Periodic evaluations (`--eval-samples` conversations) are the lines; the final evaluation of each run (eval.json,
+`--final-eval-samples`) is the marker. Writes campaign.json and campaign.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from models.defaults import resolve_drafter_path
+
+
+def run_curve(run: Path) -> dict:
+    """One run directory -> {arch, points: [{tokens, wall_s, expected_tau, depth_agreement}], final}."""
+    cfg = json.loads((run / "train_config.json").read_text())
+    prior = {"tokens": 0, "wall_s": 0.0}
+    if cfg.get("init"):
+        record = json.loads((resolve_drafter_path(cfg["init"]) / "config.json").read_text()).get("training") or {}
+        prior = {"tokens": record.get("tokens_seen", 0), "wall_s": record.get("wall_time_s", 0.0)}
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    by_step = {r["step"]: r for r in rows if "loss" in r}
+    points = []
+    for r in rows:
+        if "eval" in r and r["step"] in by_step:
+            t = by_step[r["step"]]
+            points.append({"step": r["step"], "tokens": prior["tokens"] + t["tokens"],
+                           "wall_s": prior["wall_s"] + t["wall_s"], "expected_tau": r["eval"]["expected_tau"],
+                           "depth_agreement": r["eval"]["depth_agreement"]})
+    final = None
+    record_file = run / "drafter" / "training_record.json"
+    if record_file.exists():
+        record = json.loads(record_file.read_text())
+        final = {"tokens": record["tokens_seen"], "wall_s": record["wall_time_s"],
+                 "expected_tau": record["heldout"]["expected_tau"],
+                 "depth_agreement": record["heldout"]["depth_agreement"]}
+    return {"run": str(run), "arch": cfg["arch"], "prior": prior, "points": points, "final": final}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", required=True, help="training output directories (models.train --out)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    curves = [run_curve(Path(r)) for r in args.runs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "campaign.json").write_text(json.dumps(curves, indent=2) + "\n")
+    plot(curves, out / "campaign.png")
+    for c in curves:
+        last = c["final"] or (c["points"][-1] if c["points"] else None)
+        if last:
+            print(f"{c['arch']}: {last['tokens']} tokens, {last['wall_s'] / 60:.0f} min, expected tau "
+                  f"{last['expected_tau']:.3f}")
+    print(f"wrote {out}/campaign.json, campaign.png")
+
+
+def plot(curves: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, key, label, scale in ((axes[0], "tokens", "tokens seen (all legs)", 1), (axes[1], "wall_s",
+                                  "training wall time, minutes (all legs)", 60)):
+        for c in curves:
+            xs = [pt[key] / scale for pt in c["points"]]
+            line, = ax.plot(xs, [pt["expected_tau"] for pt in c["points"]], marker=".", label=c["arch"])
+            if c["final"]:
+                ax.plot([c["final"][key] / scale], [c["final"]["expected_tau"]], marker="*", ms=12,
+                        color=line.get_color(), label=f"{c['arch']} final")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out expected tau (chain, depth 6)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Training campaign: MoA vs EAGLE on the same data")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
