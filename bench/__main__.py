@@ -131,7 +131,8 @@ def benchmark(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_prompts(prompts, out / "prompts.jsonl")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "outputs.jsonl").write_text("".join(json.dumps(r if isinstance(r, dict) else asdict(r)) + "\n" for r in runs))
+    rows = (r if isinstance(r, dict) else asdict(r) for r in runs)  # offline records are dicts already
+    (out / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot(results, out / "results.png")
     write_markdown(results, out / "results.md", "results.png")
     print(markdown_table(results))

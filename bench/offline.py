@@ -83,7 +83,8 @@ class Continuer:
         session.add_verified(context, rows)
         return session
 
-    def run(self, context: list[int], rows: np.ndarray | None, root: int, n: int, rng: np.random.Generator) -> list[int]:
+    def run(self, context: list[int], rows: np.ndarray | None, root: int, n: int,
+            rng: np.random.Generator) -> list[int]:
         out: list[int] = []
         session = self.session(context, rows) if self.step is not None else None
         token = root

@@ -76,9 +76,9 @@ def settings_line(results: dict) -> str:
     s = results["settings"]
     if kind(results) == "offline":
         guard = next((d["guard"] for d in s["decoding"].values() if d["guard"]), None)
-        return (f"{s['target']} on {s['machine']['processor']} ({s['threads']} threads); {s['n_prompts']} prompts (first "
-                f"turn), link cut after {', '.join(map(str, s['cuts']))} verified tokens, {s['offline_tokens']} offline "
-                f"tokens; guard {guard}; {s['date']}")
+        return (f"{s['target']} on {s['machine']['processor']} ({s['threads']} threads); {s['n_prompts']} prompts "
+                f"(first turn), link cut after {', '.join(map(str, s['cuts']))} verified tokens, {s['offline_tokens']} "
+                f"offline tokens; guard {guard}; {s['date']}")
     trees = ", ".join(f"{m} {t}" for m, t in s["tree"].items() if t != "none")
     run = (f"{s['n_prompts']} prompts, max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}; "
            f"trees (depth,topk,total): {trees or 'none'}; {s['date']}")
@@ -93,7 +93,8 @@ def settings_line(results: dict) -> str:
 def write_markdown(results: dict, path: str | Path, image: str | None = None) -> str:
     text = f"# {TITLE[kind(results)]}\n\n{settings_line(results)}\n\n{markdown_table(results)}\n"
     if image:
-        text += f"\n![{'agreement by offline position' if kind(results) == 'offline' else 'speedup and tau'}]({image})\n"
+        alt = "agreement by offline position" if kind(results) == "offline" else "speedup and tau"
+        text += f"\n![{alt}]({image})\n"
     Path(path).write_text(text)
     return text
 

@@ -73,7 +73,8 @@ class OfflineGuard:
         out = logits.astype(np.float32).copy()
         if self.repetition_penalty > 1 and len(recent):
             seen = np.unique(recent)
-            out[seen] = np.where(out[seen] > 0, out[seen] / self.repetition_penalty, out[seen] * self.repetition_penalty)
+            r = self.repetition_penalty
+            out[seen] = np.where(out[seen] > 0, out[seen] / r, out[seen] * r)
         n = self.no_repeat_ngram
         if n and len(recent) >= n:
             windows = np.lib.stride_tricks.sliding_window_view(recent, n)
