@@ -41,7 +41,8 @@ class DraftStep(Protocol):
 class OfflineGuard:
     """Decoding rules for unverified (offline) tokens against degenerate loops, over the last `window` tokens.
 
-    `no_repeat_ngram` n > 0: a token that would complete an n-gram already in the window is banned.
+    `no_repeat_ngram` n > 0: a token that would complete an n-gram already in the unverified stretch (the window's
+    share of it) is banned; repeats of verified text (a list's pattern, a name) stay allowed.
     `max_newlines` m > 0: no run of more than m newlines (whitespace between them allowed); it needs the
     vocabulary's token texts, given with `for_vocabulary`.
     `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
@@ -67,8 +68,9 @@ class OfflineGuard:
         """The guard with the newline table of a vocabulary (`texts[i]`: token i decoded alone)."""
         return replace(self, newlines=np.array([t.count("\n") if not t.strip() else -1 for t in texts]))
 
-    def apply(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
-        """The next token's logits (V,) after the rules, given the tokens so far."""
+    def apply(self, logits: np.ndarray, history: list[int], unverified: int | None = None) -> np.ndarray:
+        """The next token's logits (V,) after the rules, given the tokens so far, of which the last `unverified`
+        were not verified (None: all of them)."""
         recent = np.asarray(history[-self.window:], dtype=np.int64)
         out = logits.astype(np.float32).copy()
         if self.repetition_penalty > 1 and len(recent):
@@ -76,9 +78,10 @@ class OfflineGuard:
             r = self.repetition_penalty
             out[seen] = np.where(out[seen] > 0, out[seen] / r, out[seen] * r)
         n = self.no_repeat_ngram
-        if n and len(recent) >= n:
-            windows = np.lib.stride_tricks.sliding_window_view(recent, n)
-            banned = windows[(windows[:, :-1] == recent[len(recent) - n + 1:]).all(axis=1), -1]
+        stretch = recent[-min(len(recent), len(history) if unverified is None else unverified):]
+        if n and len(stretch) >= n:
+            windows = np.lib.stride_tricks.sliding_window_view(stretch, n)
+            banned = windows[(windows[:, :-1] == stretch[len(stretch) - n + 1:]).all(axis=1), -1]
             out[banned] = NEG_INF
         if self.max_newlines and self.newlines is not None:
             run = 0
@@ -111,6 +114,7 @@ class DraftSession:
         self._tree_slots: dict[int, int] = {}
         self._tree_features: dict[int, np.ndarray] = {}
         self._root_feature: np.ndarray | None = None
+        self._offline_from: int | None = None  # transcript index of the first token next_token was given
 
     def add_verified(self, tokens: list[int], rows: np.ndarray) -> None:
         """Tokens the target has verified, with their memory rows (one per token)."""
@@ -205,15 +209,18 @@ class DraftSession:
         """Offline: the drafter's own next token after `root`, which joins the transcript unverified.
 
         MoA's memory stays frozen; EAGLE's own predicted feature stands in for the target's (its next input).
-        `guard` applies its rules over the transcript (root included) before the token is chosen.
+        `guard` applies its rules before the token is chosen: over the transcript (root included), the n-gram rule
+        over the tokens from the first root given to this method on (the unverified stretch).
         """
+        if self._offline_from is None:
+            self._offline_from = len(self.tokens)
         logits, feats = self._prime(root)
         self._verified_slots = self.k.shape[1]
         self.tokens.append(root)
         if self.step.arch == "eagle":
             self.memory = np.concatenate([self.memory, feats])
         if guard is not None:
-            logits = guard.apply(logits[-1], self.tokens)[None]
+            logits = guard.apply(logits[-1], self.tokens, len(self.tokens) - self._offline_from)[None]
         if temperature <= 0:
             return int(np.argmax(logits[-1]))
         ids, logq = topk_logprobs(logits, self.candidates, temperature)

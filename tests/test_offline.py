@@ -25,6 +25,9 @@ def test_guard_rules():
     off = OfflineGuard(no_repeat_ngram=0, max_newlines=0)
     assert off.apply(logits, history).tolist() == logits.tolist()
     assert OfflineGuard(no_repeat_ngram=3, window=3).apply(logits, history).tolist() == logits.tolist()  # out of window
+    # the n-gram rule looks at the unverified stretch only: (0, 1, 2) was verified text, repeating it is fine
+    assert not np.isinf(OfflineGuard(no_repeat_ngram=3).apply(logits, history, unverified=3)).any()
+    assert np.isinf(OfflineGuard(no_repeat_ngram=3).apply(logits, history, unverified=5)).tolist()[2]
     with pytest.raises(ValueError, match="repetition_penalty"):
         OfflineGuard(repetition_penalty=0.5)
 
@@ -68,11 +71,9 @@ def test_guard_stops_a_real_loop(tiny, arch):
     assert repeated_ngrams(plain) > 0.5  # the untrained drafter loops
     n = 3
     before, guarded = offline_tokens(tiny, drafter, OfflineGuard(no_repeat_ngram=n, window=64))
-    seq = before + guarded
-    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
-    new = grams[len(before) - n + 1:]  # the n-grams that end on an offline token
-    assert len(guarded) == 40 and all(g not in grams[:len(before) - n + 1 + i] for i, g in enumerate(new))
-    assert repeated_ngrams(guarded) < 0.1
+    stretch = before[-1:] + guarded  # the root on: the unverified stretch
+    grams = [tuple(stretch[i:i + n]) for i in range(len(stretch) - n + 1)]
+    assert len(guarded) == 40 and len(set(grams)) == len(grams) and repeated_ngrams(guarded, n) == 0.0
 
 
 def test_offline_bench_end_to_end(tiny, tmp_path):
