@@ -53,9 +53,10 @@ def test_scores():
     assert s["degenerate"] and s["newline_run"] == 3 and s["produced"] == 4
 
 
-def offline_tokens(tiny, drafter, guard: OfflineGuard | None, n: int = 40) -> tuple[list[int], list[int]]:
+def offline_tokens(tiny, drafter, guard: OfflineGuard | None, n: int = 40,
+                   temperature: float = 0.0) -> tuple[list[int], list[int]]:
     """A real drafter continuing alone after a prompt, as the edge does offline: (transcript before, tokens)."""
-    continuer = Continuer(tiny, drafter, guard)
+    continuer = Continuer(tiny, drafter, guard, temperature)
     context = list(range(5, 15))
     with torch.no_grad():
         step = tiny.new_runner().forward(context)
@@ -70,10 +71,11 @@ def test_guard_stops_a_real_loop(tiny, arch):
     before, plain = offline_tokens(tiny, drafter, None)
     assert repeated_ngrams(plain) > 0.5  # the untrained drafter loops
     n = 3
-    before, guarded = offline_tokens(tiny, drafter, OfflineGuard(no_repeat_ngram=n, window=64))
-    stretch = before[-1:] + guarded  # the root on: the unverified stretch
-    grams = [tuple(stretch[i:i + n]) for i in range(len(stretch) - n + 1)]
-    assert len(guarded) == 40 and len(set(grams)) == len(grams) and repeated_ngrams(guarded, n) == 0.0
+    for temperature in (0.0, 1.0):  # greedy, and sampled (--offline-temperature)
+        before, guarded = offline_tokens(tiny, drafter, OfflineGuard(no_repeat_ngram=n, window=64), 40, temperature)
+        stretch = before[-1:] + guarded  # the root on: the unverified stretch
+        grams = [tuple(stretch[i:i + n]) for i in range(len(stretch) - n + 1)]
+        assert len(guarded) == 40 and len(set(grams)) == len(grams) and repeated_ngrams(guarded, n) == 0.0
 
 
 def test_offline_bench_end_to_end(tiny, tmp_path):
