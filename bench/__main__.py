@@ -1,9 +1,11 @@
-"""`python -m bench single|edge ...` runs a benchmark; `python -m bench prompts ...` writes a prompt set.
+"""`python -m bench single|edge|offline ...` runs a benchmark; `python -m bench prompts ...` writes a prompt set.
 
     python -m bench single --prompts sharegpt --methods vanilla,lookup,eagle,moa --max-new-tokens 128 \\
         --limit 10 --out runs/bench_single
     python -m bench edge --prompts sharegpt --methods api,eagle,moa --max-new-tokens 128 --limit 10 \\
         --out runs/bench_edge
+    python -m bench offline --prompts sharegpt --methods moa,eagle,lookup --cuts 16,64 --limit 10 \\
+        --out runs/bench_offline
     python -m bench prompts --set mixed --n 40 --out prompts.jsonl
 """
 
@@ -16,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.prompts import SETS, Prompt, PromptsError, builtin_prompts, load_prompts, write_prompts
+from edge_client.__main__ import add_offline_guard_arguments, offline_guard
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -24,22 +27,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s = sub.add_parser("single", help="vanilla vs prompt lookup vs EAGLE-2 vs MoA on one device (PyTorch)")
     e = sub.add_parser("edge", help="api (the server generates) vs EAGLE and MoA edge bundles against the verify "
                        "server, from the edge client's side")
-    for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, "api,eagle,moa")):
+    o = sub.add_parser("offline", help="the disconnection experiment: MoA vs EAGLE vs prompt lookup continuing alone "
+                       "after N verified tokens, scored against the target's own continuation (PyTorch, one device)")
+    for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, "api,eagle,moa"), (o, "moa,eagle,lookup")):
         b.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
         b.add_argument("--methods", default=methods, help=f"comma-separated, from {methods} (default: all)")
-        b.add_argument("--max-new-tokens", type=int, default=128)
         b.add_argument("--out", required=True, help="output directory")
-        b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         b.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed+i)")
-        b.add_argument("--tree", default="auto", help="auto (cost model per method) or depth,topk,total_tokens")
         b.add_argument("--limit", type=int, default=None, help="run the first N prompts only")
         b.add_argument("--no-progress", action="store_true")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    s.add_argument("--target", default="default", help="target alias, Hugging Face id or path (tiny for a smoke run)")
-    s.add_argument("--dtype", default="float32")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--moa", default="moa", help="MoA drafter: the shipped one (moa) or a directory")
-    s.add_argument("--eagle", default="eagle", help="EAGLE drafter: the shipped one (eagle) or a directory")
+    for b in (s, e):
+        b.add_argument("--max-new-tokens", type=int, default=128)
+        b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+        b.add_argument("--tree", default="auto", help="auto (cost model per method) or depth,topk,total_tokens")
+    for b in (s, o):
+        b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        b.add_argument("--target", default="default", help="target alias, Hugging Face id or path (tiny for a smoke "
+                       "run)")
+        b.add_argument("--dtype", default="float32")
+        b.add_argument("--device", default="cpu")
+        b.add_argument("--moa", default="moa", help="MoA drafter: the shipped one (moa) or a directory")
+        b.add_argument("--eagle", default="eagle", help="EAGLE drafter: the shipped one (eagle) or a directory")
+    o.add_argument("--cuts", default="16,64", help="drop the link after this many verified tokens (comma-separated; "
+                   "default: %(default)s)")
+    o.add_argument("--offline-tokens", type=int, default=32, help="tokens generated offline per cut (default: "
+                   "%(default)s)")
+    o.add_argument("--offline-temperature", type=float, default=0.0, help="0 = greedy (default)")
+    add_offline_guard_arguments(o)
     e.add_argument("--threads", type=int, default=None,
                    help="ONNX Runtime threads on the edge, and torch threads of the servers started here")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int8"),
@@ -55,23 +69,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--set", required=True, choices=SETS)
     w.add_argument("--n", type=int, default=None, help="first N prompts (default: all)")
     w.add_argument("--out", required=True)
-    for parser in (s, e, w):
+    for parser in (s, e, o, w):
         parser.add_argument("--heldout", default=None, help="draw the sharegpt set from this held-out split "
                             "(heldout.jsonl written by models.train); default: the shipped bench/sharegpt_heldout.jsonl")
     return p.parse_args(argv)
 
 
-def single(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) -> tuple[dict, list]:
+def load_models(args: argparse.Namespace, methods: list[str]):
+    """The target and the drafter directories of the methods that need one (single and offline)."""
     import torch
 
-    from bench.single import build_engines, run_single
     from models.defaults import resolve_drafter_path
     from models.target import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     drafters = {m: str(resolve_drafter_path(getattr(args, m))) for m in ("moa", "eagle") if m in methods}
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    return load_target(args.target, dtype=args.dtype, device=args.device), drafters
+
+
+def single(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) -> tuple[dict, list]:
+    from bench.single import build_engines, run_single
+
+    target, drafters = load_models(args, methods)
     engines = build_engines(target, methods, args.tree, drafters)
     return run_single(target, engines, prompts, args.max_new_tokens, args.temperature, args.seed, drafters,
                       progress=not args.no_progress)
@@ -87,19 +107,32 @@ def edge(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) ->
                     pick("bundle"), pick("server"), args.token, args.threads, progress=not args.no_progress)
 
 
+def offline(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) -> tuple[dict, list]:
+    from bench.offline import build_continuers, run_offline
+
+    target, drafters = load_models(args, methods)
+    continuers = build_continuers(target, methods, drafters, offline_guard(args), args.offline_temperature)
+    cuts = [int(c) for c in args.cuts.split(",")]
+    results, records = run_offline(target, continuers, prompts, cuts, args.offline_tokens, args.seed,
+                                   progress=not args.no_progress)
+    results["settings"]["drafters"] = drafters
+    return results, records
+
+
 def benchmark(args: argparse.Namespace) -> None:
     """Run one benchmark and write results.json, results.md, results.png, outputs.jsonl and prompts.jsonl."""
     from bench.report import markdown_table, plot, write_markdown
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = load_prompts(args.prompts, args.limit, args.heldout)
-    results, runs = (single if args.command == "single" else edge)(args, methods, prompts)
+    results, runs = {"single": single, "edge": edge, "offline": offline}[args.command](args, methods, prompts)
     results["settings"]["prompts"] = args.prompts
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_prompts(prompts, out / "prompts.jsonl")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "outputs.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in runs))
+    rows = (r if isinstance(r, dict) else asdict(r) for r in runs)  # offline records are dicts already
+    (out / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot(results, out / "results.png")
     write_markdown(results, out / "results.md", "results.png")
     print(markdown_table(results))
@@ -109,7 +142,7 @@ def benchmark(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        if args.command in ("single", "edge"):
+        if args.command in ("single", "edge", "offline"):
             benchmark(args)
         else:
             prompts = builtin_prompts(args.set, args.heldout)[: args.n]

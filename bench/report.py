@@ -1,5 +1,6 @@
-"""results.json -> a markdown table (results.md) and a bar chart of speedup and tau per method and category, for
-both benchmarks (`settings.benchmark`: single or edge)."""
+"""results.json -> a markdown table (results.md) and a chart, for every benchmark (`settings.benchmark`): single
+and edge get bars of speedup and tau per method and category, offline a plot of agreement with the target by
+offline position."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ COLUMNS = {
                       ("server ms/token", "server_ms_per_token", "{:.1f}"), ("bytes/token", "bytes_per_token", "{:.0f}"),
                       ("network wait", "network_wait_share", "{:.0%}"), ("matches api", "outputs_match_api", "{:.0%}")),
 }
+OFFLINE_COLUMNS = (("cases", "cases", "{}"), ("exact prefix (kept by verify)", "exact_prefix", "{:.2f}"),
+                   ("agreement 1-8", "agreement_1_8", "{:.1%}"), ("agreement 1-32", "agreement_mean", "{:.1%}"),
+                   ("teacher-forced 1-32", "teacher_forced_mean", "{:.1%}"),
+                   ("repeated 4-grams", "repeated_ngram", "{:.1%}"), ("longest newline run", "newline_run_max", "{}"),
+                   ("degenerate", "degenerate", "{:.0%}"))
 BASELINE = {"single": "vanilla", "edge": "api"}
-TITLE = {"single": "Single-device benchmark", "edge": "Client-server benchmark"}
+TITLE = {"single": "Single-device benchmark", "edge": "Client-server benchmark",
+         "offline": "Offline continuation benchmark"}
 
 
 def kind(results: dict) -> str:
@@ -37,7 +44,24 @@ def cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def offline_table(results: dict) -> str:
+    """One row per method and cut; the target's own continuation is the reference (its agreement is 100 %)."""
+    header = ["method", "cut"] + [c[0] for c in OFFLINE_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cut in map(str, results["settings"]["cuts"]):
+        for method, per_cut in results["methods"].items():
+            if cut in per_cut:
+                fig = {**per_cut[cut], "agreement_1_8": sum(per_cut[cut]["agreement"][:8]) / 8}
+                if method == "target":
+                    fig = {k: v for k, v in fig.items() if k not in ("exact_prefix", "agreement_1_8", "agreement_mean")}
+                lines.append("| " + " | ".join([method, cut] + [cell(fig.get(k), f) for _, k, f in OFFLINE_COLUMNS])
+                             + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(results: dict) -> str:
+    if kind(results) == "offline":
+        return offline_table(results)
     columns = COLUMNS[kind(results)]
     header = ["method", "prompts"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -50,6 +74,11 @@ def markdown_table(results: dict) -> str:
 
 def settings_line(results: dict) -> str:
     s = results["settings"]
+    if kind(results) == "offline":
+        guard = next((d["guard"] for d in s["decoding"].values() if d["guard"]), None)
+        return (f"{s['target']} on {s['machine']['processor']} ({s['threads']} threads); {s['n_prompts']} prompts "
+                f"(first turn), link cut after {', '.join(map(str, s['cuts']))} verified tokens, {s['offline_tokens']} "
+                f"offline tokens; guard {guard}; {s['date']}")
     trees = ", ".join(f"{m} {t}" for m, t in s["tree"].items() if t != "none")
     run = (f"{s['n_prompts']} prompts, max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}; "
            f"trees (depth,topk,total): {trees or 'none'}; {s['date']}")
@@ -64,18 +93,22 @@ def settings_line(results: dict) -> str:
 def write_markdown(results: dict, path: str | Path, image: str | None = None) -> str:
     text = f"# {TITLE[kind(results)]}\n\n{settings_line(results)}\n\n{markdown_table(results)}\n"
     if image:
-        text += f"\n![speedup and tau]({image})\n"
+        alt = "agreement by offline position" if kind(results) == "offline" else "speedup and tau"
+        text += f"\n![{alt}]({image})\n"
     Path(path).write_text(text)
     return text
 
 
 def plot(results: dict, path: str | Path) -> None:
-    """Two panels (speedup, tau), bars per method grouped by 'all' and category."""
+    """Two panels (speedup, tau), bars per method grouped by 'all' and category; offline: `plot_offline`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
+    if kind(results) == "offline":
+        return plot_offline(results, path, plt)
 
     names = groups(results)
     methods = list(results["methods"])
@@ -94,6 +127,34 @@ def plot(results: dict, path: str | Path) -> None:
     axes[0].legend(fontsize=8)
     s = results["settings"]
     fig.suptitle(f"{TITLE[kind(results)]}: {s['target']}, {s['n_prompts']} prompts, T={s['temperature']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_offline(results: dict, path: str | Path, plt) -> None:
+    """One panel per cut: agreement with the target's token at each offline position, per method (solid), and the
+    neural drafters' teacher-forced agreement (dashed)."""
+    s = results["settings"]
+    cuts = [str(c) for c in s["cuts"]]
+    fig, axes = plt.subplots(1, len(cuts), figsize=(5.5 * len(cuts), 4), squeeze=False, sharey=True)
+    for ax, cut in zip(axes[0], cuts):
+        for method, per_cut in results["methods"].items():
+            if method == "target" or cut not in per_cut:
+                continue
+            f = per_cut[cut]
+            x = range(1, len(f["agreement"]) + 1)
+            (line,) = ax.plot(x, f["agreement"], label=method, lw=1.5)
+            if "teacher_forced" in f:
+                ax.plot(x, f["teacher_forced"], ls="--", lw=1, color=line.get_color(),
+                        label=f"{method} (teacher-forced)")
+        ax.set_title(f"link cut after {cut} verified tokens ({next(iter(results['methods'].values()))[cut]['cases']} "
+                     f"cases)", fontsize=9)
+        ax.set_xlabel("offline position")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("agreement with the target's token")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{TITLE['offline']}: {s['target']}, {s['n_prompts']} prompts", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,7 +6,9 @@
     moa-edge --mode offline "..."                           never connect: the edge drafter alone
     moa-edge --disconnect-after 32 --offline-for 2 "..."    experiment: drop the link, resync 2 s later
 
-Text streams to stdout as tokens are accepted; text made offline (unverified) is dim on a terminal. Under
+Text streams to stdout as tokens are accepted; text made offline (unverified) is dim on a terminal and is decoded
+under a guard against loops (--no-repeat-ngram, --max-newlines, --repetition-penalty, --offline-temperature;
+verified text never is). Under
 `--on-reconnect verify` offline text the target rejects is withdrawn: the stream prints ⟲ after it and goes on
 with the target's text (--json holds the final text only); a reply that ends offline waits up to --resync-wait
 seconds for the server to verify it. Events and a status line go to stderr.
@@ -27,6 +29,7 @@ from typing import TextIO
 
 from edge_client.bundle import BundleError
 from edge_client.client import DEFAULT_SERVER, MODES, POLICIES, EdgeError, EdgeSession, LinkDown, Prompt, Result
+from edge_client.drafting import OfflineGuard
 from edge_client.protocol import ROW_DTYPES, sampling_problem
 from edge_client.runtime import PROVIDER_ALIASES, choose_providers
 from edge_client.tree import TreeConfig
@@ -43,6 +46,28 @@ def parse_tree(text: str) -> TreeConfig | str:
         return TreeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_offline_guard_arguments(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The offline guard's flags (shared with `python -m bench offline`); `offline_guard(args)` reads them."""
+    d = OfflineGuard()
+    group.add_argument("--no-repeat-ngram", type=int, default=d.no_repeat_ngram, metavar="N", help="offline tokens "
+                       "never complete an N-gram already in the last --guard-window tokens; 0 = off (default: "
+                       "%(default)s)")
+    group.add_argument("--max-newlines", type=int, default=d.max_newlines, metavar="M", help="offline tokens never "
+                       "make a run of more than M newlines; 0 = off (default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="R",
+                       help="offline tokens: penalise the tokens of the last --guard-window tokens; 1 = off (default: "
+                       "%(default)s)")
+    group.add_argument("--guard-window", type=int, default=d.window, metavar="W", help="how many recent tokens the "
+                       "rules look at (default: %(default)s)")
+
+
+def offline_guard(args: argparse.Namespace) -> OfflineGuard | None:
+    """The guard the flags ask for; None when every rule is off."""
+    if args.no_repeat_ngram == 0 and args.max_newlines == 0 and args.repetition_penalty == 1:
+        return None
+    return OfflineGuard(args.no_repeat_ngram, args.max_newlines, args.repetition_penalty, args.guard_window)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens")
     n.add_argument("--offline-for", type=float, metavar="S", help="with --disconnect-after: reconnect after S seconds "
                    "(default: stay offline to the end)")
+    o = p.add_argument_group("offline (unverified) tokens")
+    o.add_argument("--offline-temperature", type=float, metavar="T", help="sampling temperature of offline tokens; 0 "
+                   "= greedy (default: --temperature)")
+    add_offline_guard_arguments(o)
     r = p.add_argument_group("runtime and output")
     r.add_argument("--providers", default="auto", choices=("auto", *PROVIDER_ALIASES),
                    help="ONNX Runtime providers (default: %(default)s)")
@@ -197,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with EdgeSession(args.bundle, args.server, args.token, args.mode, args.tree, args.on_reconnect,
                          args.row_dtype, args.timeout, providers=args.providers, threads=args.threads,
-                         resync_wait_s=args.resync_wait, cafile=args.ca_file) as session:
+                         resync_wait_s=args.resync_wait, cafile=args.ca_file, offline_guard=offline_guard(args),
+                         offline_temperature=args.offline_temperature) as session:
             if args.prompt is not None:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
                 results = [reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)]

@@ -68,3 +68,8 @@ class ChatTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self) -> list[str]:
+        """Every token of the vocabulary decoded alone, special tokens included, by id."""
+        return self.tokenizer.decode_batch([[i] for i in range(self.tokenizer.get_vocab_size())],
+                                           skip_special_tokens=False)

@@ -7,7 +7,9 @@ streams the text as tokens are accepted. The edge's transcript is the source of 
   server answers a repeated `seq` with its cached reply, so a lost reply is simply retried).
 - If that fails, or a reply times out, or the server says "retry later", the edge goes offline at once: it keeps
   generating with its drafter alone (memory rows frozen at the last verified token), streams those tokens marked
-  `offline`, and reconnects in the background (exponential backoff with jitter).
+  `offline`, and reconnects in the background (exponential backoff with jitter). Offline tokens are chosen under
+  an `OfflineGuard` (no repeated n-grams, no long newline runs, optionally a repetition penalty) and at
+  `offline_temperature`; verified tokens never are, so online output stays the target's.
 - Back online it resumes by policy. `keep`: the server takes the offline tokens as they are. `verify`: the target
   checks them and the edge rewinds to the first disagreement; the stream then carries a `Chunk` whose `rewind`
   says how many characters of the text shown so far to delete before appending it. Under `verify` a generation
@@ -41,7 +43,7 @@ from websockets.sync.client import ClientConnection, connect
 from edge_client import protocol as P
 from edge_client.budget import agreement_table, choose, measure_draft
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
-from edge_client.drafting import DraftSession
+from edge_client.drafting import DraftSession, OfflineGuard
 from edge_client.runtime import OrtDraftStep
 from edge_client.tree import TreeConfig
 
@@ -366,7 +368,8 @@ class EdgeSession:
                  token: str | None = None, mode: str = "speculative", tree: TreeConfig | str = "auto",
                  on_reconnect: str = "keep", row_dtype: str = "fp16", timeout_s: float = 15.0,
                  backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None,
-                 resync_wait_s: float = 30.0, cafile: str | None = None):
+                 resync_wait_s: float = 30.0, cafile: str | None = None,
+                 offline_guard: OfflineGuard | None = OfflineGuard(), offline_temperature: float | None = None):
         for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),
                                      ("row_dtype", row_dtype, P.ROW_DTYPES)):
             if value not in allowed:
@@ -382,6 +385,9 @@ class EdgeSession:
         self.row_dtype, self.timeout_s, self.backoff_s = row_dtype, timeout_s, backoff_s
         self.resync_wait_s = resync_wait_s  # under `verify`: how long a generation waits to verify its offline end
         self.ssl_context = ssl.create_default_context(cafile=cafile) if cafile else None
+        # offline tokens: the guard (None: plain drafter output) and temperature (None: the generation's)
+        self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts()) if offline_guard else None
+        self.offline_temperature = offline_temperature
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.stats = Stats(mode)
         self.result: Result | None = None
@@ -708,7 +714,8 @@ class EdgeSession:
         t = time.perf_counter()
         if self._offline is None:
             self._offline = self._offline_drafter()
-        token = self._offline.next_token(self.tokens[-1], self._sampling["temperature"], self._rng)
+        temperature = self._sampling["temperature"] if self.offline_temperature is None else self.offline_temperature
+        token = self._offline.next_token(self.tokens[-1], temperature, self._rng, self.offline_guard)
         self.stats.draft_s += time.perf_counter() - t
         self.tokens.append(token)
         self.stats.offline_tokens += 1

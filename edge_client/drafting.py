@@ -5,12 +5,14 @@ The session owns the drafter's self-attention cache (slots 0..T-1 hold verified 
 the memory rows of verified tokens. A round: `draft(root)` runs the pending verified tokens and the root through
 the drafter, grows the tree (tree-node entries go to extra cache slots), and `accept(...)` keeps what the target
 verified. MoA keeps the cache entries of accepted draft nodes (its SA sees tokens only); EAGLE recomputes them
-from the target's true features. Offline, `next_token()` drafts one token at a time with the memory frozen.
+from the target's true features. Offline, `next_token()` drafts one token at a time with the memory frozen; an
+`OfflineGuard` keeps those unverified tokens out of degenerate loops (it never touches the drafted trees, so
+verified output stays the target's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +38,63 @@ class DraftStep(Protocol):
         np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
 
 
+@dataclass(frozen=True)
+class OfflineGuard:
+    """Decoding rules for unverified (offline) tokens against degenerate loops, over the last `window` tokens.
+
+    `no_repeat_ngram` n > 0: a token that would complete an n-gram already in the unverified stretch (the window's
+    share of it) is banned; repeats of verified text (a list's pattern, a name) stay allowed.
+    `max_newlines` m > 0: no run of more than m newlines (whitespace between them allowed); it needs the
+    vocabulary's token texts, given with `for_vocabulary`.
+    `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
+    multiplied (as in Hugging Face `generate`)."""
+
+    no_repeat_ngram: int = 4
+    max_newlines: int = 2
+    repetition_penalty: float = 1.0
+    window: int = 64
+    # per token id: the newlines of a whitespace-only token, -1 for any other token (set by for_vocabulary)
+    newlines: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1:
+            raise ValueError(f"bad offline guard {self}: no_repeat_ngram and max_newlines >= 0, "
+                             "repetition_penalty >= 1, window >= 1")
+
+    @property
+    def settings(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "newlines"}
+
+    def for_vocabulary(self, texts: list[str]) -> "OfflineGuard":
+        """The guard with the newline table of a vocabulary (`texts[i]`: token i decoded alone)."""
+        return replace(self, newlines=np.array([t.count("\n") if not t.strip() else -1 for t in texts]))
+
+    def apply(self, logits: np.ndarray, history: list[int], unverified: int | None = None) -> np.ndarray:
+        """The next token's logits (V,) after the rules, given the tokens so far, of which the last `unverified`
+        were not verified (None: all of them)."""
+        recent = np.asarray(history[-self.window:], dtype=np.int64)
+        out = logits.astype(np.float32).copy()
+        if self.repetition_penalty > 1 and len(recent):
+            seen = np.unique(recent)
+            r = self.repetition_penalty
+            out[seen] = np.where(out[seen] > 0, out[seen] / r, out[seen] * r)
+        n = self.no_repeat_ngram
+        stretch = recent[-min(len(recent), len(history) if unverified is None else unverified):]
+        if n and len(stretch) >= n:
+            windows = np.lib.stride_tricks.sliding_window_view(stretch, n)
+            banned = windows[(windows[:, :-1] == stretch[len(stretch) - n + 1:]).all(axis=1), -1]
+            out[banned] = NEG_INF
+        if self.max_newlines and self.newlines is not None:
+            run = 0
+            for t in reversed(recent):
+                if t >= len(self.newlines) or self.newlines[t] < 0:
+                    break
+                run += self.newlines[t]
+            table = self.newlines[: len(out)]
+            out[: len(table)][(table > 0) & (run + table > self.max_newlines)] = NEG_INF
+        return out
+
+
 @dataclass
 class DraftStats:
     drafter_calls: int = 0
@@ -56,6 +115,7 @@ class DraftSession:
         self._tree_slots: dict[int, int] = {}
         self._tree_features: dict[int, np.ndarray] = {}
         self._root_feature: np.ndarray | None = None
+        self._offline_from: int | None = None  # transcript index of the first token next_token was given
 
     def add_verified(self, tokens: list[int], rows: np.ndarray) -> None:
         """Tokens the target has verified, with their memory rows (one per token)."""
@@ -150,16 +210,23 @@ class DraftSession:
         self.v = self.v[:, slots]
         self._verified_slots = len(slots)
 
-    def next_token(self, root: int, temperature: float = 0.0, rng: np.random.Generator | None = None) -> int:
+    def next_token(self, root: int, temperature: float = 0.0, rng: np.random.Generator | None = None,
+                   guard: OfflineGuard | None = None) -> int:
         """Offline: the drafter's own next token after `root`, which joins the transcript unverified.
 
         MoA's memory stays frozen; EAGLE's own predicted feature stands in for the target's (its next input).
+        `guard` applies its rules before the token is chosen: over the transcript (root included), the n-gram rule
+        over the tokens from the first root given to this method on (the unverified stretch).
         """
+        if self._offline_from is None:
+            self._offline_from = len(self.tokens)
         logits, feats = self._prime(root)
         self._verified_slots = self.k.shape[1]
         self.tokens.append(root)
         if self.step.arch == "eagle":
             self.memory = np.concatenate([self.memory, feats])
+        if guard is not None:
+            logits = guard.apply(logits[-1], self.tokens, len(self.tokens) - self._offline_from)[None]
         if temperature <= 0:
             return int(self._vocab_ids(np.argmax(logits[-1])))
         ids, logq = topk_logprobs(logits, self.candidates, temperature)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from edge_client import protocol as P
-from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError
+from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError, common_prefix
+from edge_client.drafting import OfflineGuard
 from export.to_onnx import export_bundle
 from models.target import load_target
 from models.tiny import tiny_target
@@ -254,6 +255,49 @@ def test_dropped_link_resumes_with_keep(env, api, caplog):
         rest = s.result.token_ids[offline_end - len(s.prompt):]
         assert api.complete(kept, max_new_tokens=len(rest)).token_ids == rest
         assert apply(shown) == s.result.text
+
+
+def test_guard_shapes_offline_tokens_only(env, reference):
+    """A guard that crushes every token of the last 64 and bans repeats offline: verified text is still the target's,
+    offline text obeys it."""
+    assert len(set(reference)) < len(reference)  # the target repeats tokens: a guard applied online would show
+    strict = OfflineGuard(no_repeat_ngram=1, repetition_penalty=50.0)
+    with session(env, offline_guard=strict) as s:
+        assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
+        chunks = list(s.generate(PROMPT, max_new_tokens=NEW, drop_after=8))
+        verified = s.length - len(s.prompt) + 1  # the pending root is the target's too
+        out = s.result.token_ids
+        assert out[:verified] == reference[:verified] and s.stats.offline_tokens == len(out) - verified > 0
+        stretch = out[verified - 1:]  # the root on
+        assert len(set(stretch)) == len(stretch)
+        assert chunks[-1].offline and apply(chunks) == s.result.text
+
+
+def test_verify_resume_keeps_the_agreeing_offline_tokens_in_one_request(env, reference, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    with session(env, on_reconnect="verify", backoff_s=FAST_BACKOFF) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW, drop_after=8, offline_for=0.5)
+        shown = pull_until(chunks, lambda: s.stats.offline_tokens >= 6)
+        assert s.wait_for_link(30)
+        at, sent = s.length - len(s.prompt), s.tokens[s.length:]  # the pending root and the offline tokens
+        shown += list(chunks)
+        kept = len(sent) - s.stats.rewound_tokens
+        assert kept == common_prefix(sent, reference[at:at + len(sent)]) >= 1  # up to the first disagreement
+        assert f"kept {kept} of {len(sent)}" in caplog.text
+        assert s.result.token_ids == reference and apply(shown) == s.result.text
+        # one prefill, the verifies, and a single resume request brought the server back in step
+        assert s.stats.reconnects == 1 and s.stats.retries == 0
+        assert s.stats.server_calls == 2 + s.stats.verify_calls
+
+
+@pytest.mark.parametrize("guard", [[], ["--no-repeat-ngram", "0", "--max-newlines", "0"]], ids=["guard", "none"])
+def test_offline_cli_guard(env, guard):
+    out = edge_cli(PROMPT, "--bundle", str(env["bundle"]), "--mode", "offline", "--max-new-tokens", "40", "--json",
+                   "--no-repeat-ngram", "2", *guard)
+    assert out.returncode == 0, out.stderr
+    tokens = json.loads(out.stdout)["token_ids"]
+    bigrams = list(zip(tokens, tokens[1:]))
+    assert (len(set(bigrams)) == len(bigrams)) == (not guard)  # the plain drafter loops; the guarded one never repeats
 
 
 def test_offline_mode_needs_no_server(env):
