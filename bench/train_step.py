@@ -34,7 +34,7 @@ def time_step(drafter, target, batch, cfg: TrainConfig, cache: FeatureCache | No
         full = cache.step(list(range(len(batch))), ids.shape[1])
     else:
         pad = torch.ones_like(ids)
-        with torch.no_grad(), autocast(cfg.precision):
+        with torch.no_grad(), autocast(cfg.precision, "cpu", target.dtype):
             full = target.full_forward(ids, attention_mask=pad)
     t1 = time.perf_counter()
     (loss, _), tokens = train_step_loss(drafter, target, ids, resp, lens, cfg, step, 0.0, full)

@@ -33,6 +33,7 @@ class DraftStep(Protocol):
     keeps_draft_cache: bool
     cache_shape: tuple[int, int]
     draft_vocab: np.ndarray | None  # int64 target-vocabulary id of each logit column (reduced vocab), or None
+    vocab_size: int  # the target's vocabulary
 
     def __call__(self, ids, positions, past_k, past_v, mask, memory, features) -> tuple[
         np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
@@ -225,10 +226,19 @@ class DraftSession:
         self.tokens.append(root)
         if self.step.arch == "eagle":
             self.memory = np.concatenate([self.memory, feats])
+        logits = self._target_vocab_logits(logits[-1:])
         if guard is not None:
             logits = guard.apply(logits[-1], self.tokens, len(self.tokens) - self._offline_from)[None]
         if temperature <= 0:
-            return int(self._vocab_ids(np.argmax(logits[-1])))
+            return int(np.argmax(logits[-1]))
         ids, logq = topk_logprobs(logits, self.candidates, temperature)
         p = np.exp(logq[0] - logq[0].max())
-        return int(rng.choice(self._vocab_ids(ids[0]), p=p / p.sum()))
+        return int(rng.choice(ids[0], p=p / p.sum()))
+
+    def _target_vocab_logits(self, logits: np.ndarray) -> np.ndarray:
+        """(n, columns) drafter logits -> (n, V) over the target's vocabulary (-inf outside a reduced one)."""
+        if self.step.draft_vocab is None:
+            return logits
+        full = np.full((len(logits), self.step.vocab_size), NEG_INF, dtype=np.float32)
+        full[:, self.step.draft_vocab] = logits
+        return full

@@ -45,6 +45,7 @@ class OrtDraftStep:
         self.keeps_draft_cache = self.bundle.keeps_draft_cache
         self.cache_shape = self.bundle.cache_shape
         self.draft_vocab = self.bundle.draft_vocab()
+        self.vocab_size = self.bundle.meta["vocab_size"]
         options = ort.SessionOptions()
         # no busy-waiting between steps: the edge waits on the network between rounds, and spinning threads would
         # burn the battery (and, with the server on the same machine, its CPU)

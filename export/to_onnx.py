@@ -205,7 +205,7 @@ class EdgeDraftStep:
     def __init__(self, ort_step: OrtDraftStep, torch_step: TorchDraftStep):
         self.arch, self.keeps_draft_cache, self.cache_shape = ort_step.arch, ort_step.keeps_draft_cache, \
             ort_step.cache_shape
-        self.draft_vocab = ort_step.draft_vocab
+        self.draft_vocab, self.vocab_size = ort_step.draft_vocab, ort_step.vocab_size
         self.memory_rows = torch_step.memory_rows
         self._ort = ort_step
 

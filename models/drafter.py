@@ -261,9 +261,10 @@ def distill_loss(
     cache, `target_topk` (ids (B,T,k) in the target vocabulary, probs (B,T,k)), mapped by `vocab_index` into a
     reduced draft vocabulary and renormalised over what falls inside it.
     """
-    features, target_hidden = features.float(), target_hidden.float()
-    m = loss_mask.to(features.dtype)
-    l1 = (F.smooth_l1_loss(features, target_hidden, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
+    target_hidden = target_hidden.to(features.dtype)
+    m = loss_mask.to(torch.float32)
+    l1 = (F.smooth_l1_loss(features.float(), target_hidden.float(), reduction="none").mean(-1) * m).sum()
+    l1 = l1 / m.sum().clamp(min=1)
     pos = loss_mask.nonzero(as_tuple=True)
     if ce_fraction < 1.0 and len(pos[0]) > 1:
         keep = torch.randperm(len(pos[0]), generator=generator)[: max(1, int(len(pos[0]) * ce_fraction))]

@@ -31,6 +31,7 @@ class TorchDraftStep:
         self.keeps_draft_cache = drafter.keeps_draft_cache
         self.cache_shape = drafter.cache_shape()
         self.draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.cpu().numpy()
+        self.vocab_size = drafter.lm_head.weight.shape[0]
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
 

@@ -84,7 +84,7 @@ def build_cache(target: Target, samples: list[Encoded], out: Path, topk: int = 3
         for r, s in enumerate(rows):
             ids[r, : len(s.ids)] = torch.tensor(s.ids)
             pad[r, : len(s.ids)] = 1
-        with torch.no_grad(), autocast(precision, target.device):
+        with torch.no_grad(), autocast(precision, target.device, target.dtype):
             step = target.full_forward(ids.to(target.device), attention_mask=pad.to(target.device))
             probs, top = torch.softmax(target.lm_head(step.hidden).float(), -1).topk(topk, dim=-1)
         for r, i in enumerate(batches[bi]):

@@ -100,13 +100,14 @@ def bf16_supported(device: torch.device | str = "cpu") -> bool:
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def autocast(precision: str, device: torch.device | str = "cpu"):
-    """Mixed precision for training-time forwards: 'bf16', 'fp32', or 'auto' (bf16 where the hardware has bf16
-    matmuls: on a CPU with AVX512-BF16/AMX they run several times faster than fp32 ones)."""
+def autocast(precision: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Mixed precision for training-time forwards of `dtype` weights: 'bf16', 'fp32', or 'auto' (bf16 where the
+    hardware has bf16 matmuls: on a CPU with AVX512-BF16/AMX they run several times faster than fp32 ones).
+    Weights in another dtype than float32 (float64 exact tests, fp16 models) run as they are."""
     device = torch.device(device)
     if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"precision must be auto, bf16 or fp32, got {precision!r}")
-    use = precision == "bf16" or (precision == "auto" and bf16_supported(device))
+    use = dtype == torch.float32 and (precision == "bf16" or (precision == "auto" and bf16_supported(device)))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 

@@ -166,7 +166,7 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     b, t = ids.shape
     pad = (torch.arange(t).view(1, t) < lengths.view(b, 1)).long()
     if full is None:
-        with torch.no_grad(), autocast(cfg.precision, ids.device):
+        with torch.no_grad(), autocast(cfg.precision, ids.device, target.dtype):
             full = target.full_forward(ids, attention_mask=pad)
     last = last_sync_points(resp, cfg.sync_min, cfg.sync_max, g)
     restrict = torch.rand(b, generator=g) < restrict_share
@@ -174,7 +174,7 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     positions = torch.arange(t).view(1, t).expand(b, t)
     lmask = loss_positions(resp, last) & pad.bool()
     topk = (full.topk_ids, full.topk_probs) if full.topk_ids is not None else None
-    with autocast(cfg.precision, ids.device):
+    with autocast(cfg.precision, ids.device, drafter.embed.weight.dtype):
         out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
                                     memory_mask(last, dtype))
         loss = distill_loss(out.features, full.hidden, drafter.head, lmask, cfg.ce_weight, cfg.ce_fraction, g,
