@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     s.add_argument("--target", default="default", help="target alias, Hugging Face id or path (tiny for a smoke run)")
     s.add_argument("--dtype", default="float32")
+    for b, where in ((s, "the target"), (e, "the servers started here")):
+        b.add_argument("--quantize", default="auto", choices=("auto", "none", "int8"), help=f"{where}: auto (int8 for "
+                       "a float32 target on the CPU), none, or int8 (torch dynamic int8 Linear); every method runs "
+                       "the same target")
     s.add_argument("--device", default="cpu")
     s.add_argument("--moa", default="moa", help="MoA drafter: the shipped one (moa) or a directory")
     s.add_argument("--eagle", default="eagle", help="EAGLE drafter: the shipped one (eagle) or a directory")
@@ -71,7 +75,7 @@ def single(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) 
     if args.threads:
         torch.set_num_threads(args.threads)
     drafters = {m: str(resolve_drafter_path(getattr(args, m))) for m in ("moa", "eagle") if m in methods}
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize)
     engines = build_engines(target, methods, args.tree, drafters)
     return run_single(target, engines, prompts, args.max_new_tokens, args.temperature, args.seed, drafters,
                       progress=not args.no_progress)
@@ -84,7 +88,8 @@ def edge(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) ->
         return {d: getattr(args, f"{d}_{kind}") for d in ("moa", "eagle") if getattr(args, f"{d}_{kind}")}
 
     return run_edge(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.tree, args.dtype,
-                    pick("bundle"), pick("server"), args.token, args.threads, progress=not args.no_progress)
+                    pick("bundle"), pick("server"), args.token, args.threads, args.quantize,
+                    progress=not args.no_progress)
 
 
 def benchmark(args: argparse.Namespace) -> None:

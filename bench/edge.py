@@ -51,10 +51,11 @@ def summarize(runs: list[Run]) -> dict:
 def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, tree: str = "auto", dtype: str = "fp32", bundles: dict[str, str] | None = None,
              servers: dict[str, str] | None = None, token: str | None = None, threads: int | None = None,
-             progress: bool = True) -> tuple[dict, list[Run]]:
+             quantize: str = "auto", progress: bool = True) -> tuple[dict, list[Run]]:
     """Run the methods side by side. `bundles` and `servers` map a drafter (moa, eagle) to a bundle directory and a
     server URL; missing bundles are the shipped drafters' (exported on first use, in `dtype`), missing servers are
-    started here on loopback with that drafter (`threads` torch threads) and stopped at the end."""
+    started here on loopback with that drafter (`threads` torch threads, the target `quantize`d) and stopped at the
+    end. Every method must see the same target: servers that report different ones are refused."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
@@ -65,12 +66,16 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
     with ExitStack() as stack:
         local = [d for d in drafters if d not in servers]
         for d in local:  # one after the other: each times its target at start, undisturbed by the others
-            server = ServerProcess(["--drafter", d, "--log-level", "warning"] +
+            server = ServerProcess(["--drafter", d, "--quantize", quantize, "--log-level", "warning"] +
                                    (["--threads", str(threads)] if threads else []))
             servers[d] = stack.enter_context(server).url
         sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
                                                        mode="api" if m == "api" else "speculative", tree=tree,
                                                        threads=threads)) for m in methods}
+        targets = {s.target for s in sessions.values()}
+        if len(targets) > 1:
+            raise ValueError(f"the servers run different targets ({', '.join(sorted(targets))}): the methods would "
+                             "not be comparable")
         runs = run_interleaved(
             lambda m, seed, n: session_turn(sessions[m], seed, max_new_tokens=n, temperature=temperature),
             methods, prompts, max_new_tokens, seed, progress)

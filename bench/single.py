@@ -79,7 +79,7 @@ def run_single(
         "temperature": temperature,
         "seed": seed,
         "n_prompts": len(prompts),
-        "target": target.name,
+        "target": target.label,
         "drafters": {m: str(p) for m, p in (drafter_paths or {}).items() if m in engines},
         "date": now(),
     }

@@ -131,7 +131,7 @@ class SpeculativeEngine:
         self.drafter = None if self.proposer is not None else drafter
         self.step = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.candidates = candidates
-        if self.drafter is not None and self.drafter.target_fingerprint != target.fingerprint:
+        if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
         if tree == "auto" and drafter is not None:
             if self.proposer is not None:

@@ -27,9 +27,10 @@ def load_model(config: ServerConfig) -> Model:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    target = load_target(config.target, dtype=config.resolved_dtype, device=config.resolved_device)
+    target = load_target(config.target, dtype=config.resolved_dtype, device=config.resolved_device,
+                         quantize=config.quantize)
     drafter = None if config.drafter == "none" else load_drafter(config.drafter, target)
-    log.info("target %s (%s, %s), drafter %s", target.name, config.resolved_device, config.resolved_dtype,
+    log.info("target %s (%s, %s), drafter %s", target.label, config.resolved_device, config.resolved_dtype,
              config.drafter)
     model = Model(target, drafter, config.limits, config.tree)
     if model.verify_s:
