@@ -170,7 +170,7 @@ class SpeculativeEngine:
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner()
-        step = runner.forward(ids)
+        step = runner.forward(ids, logits="last")
         stats.target_forwards += 1
         root = sample_token(step.logits[-1], sampling, g)
         session = None

@@ -86,7 +86,7 @@ class TargetSpec:
 class TargetStep:
     """What one target forward returns for its n new tokens."""
 
-    logits: torch.Tensor  # (n, V)
+    logits: torch.Tensor | None  # (n, V), (1, V) for the last token only, or None (see TargetRunner.forward)
     hidden: torch.Tensor  # (n, H) last hidden state, after the final norm (the LM head's input)
     keys: torch.Tensor  # (L, n, h_kv*d) post-RoPE keys, as cached
     values: torch.Tensor  # (L, n, h_kv*d)
@@ -183,13 +183,13 @@ def _stack_cache(cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class TargetRunner:
-    """One sequence's target KV cache (batch size 1)."""
+    """One sequence's target KV cache (batch size 1), appended in place (models/kvcache.py)."""
 
     def __init__(self, target: Target):
-        from transformers import DynamicCache
+        from models.kvcache import growing_cache
 
         self.target = target
-        self.cache = DynamicCache(config=target.model.config)
+        self.cache = growing_cache(target.model.config)
         self.length = 0
 
     @torch.no_grad()
@@ -198,11 +198,14 @@ class TargetRunner:
         ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        logits: str = "all",
     ) -> TargetStep:
         """Run the target over n new tokens appended to the cache.
 
         `positions` default to length..length+n-1. `tree_mask` is a float additive (n, n) mask among the new
         tokens (0 = visible, -inf = hidden); every new token always sees the whole cached context. Default: causal.
+        `logits`: "all" rows, the "last" one only (a prefill), or "none" (the caller applies `target.lm_head` to the
+        rows it needs: the LM head over a whole tree costs as much as several layers).
         """
         dev, dtype = self.target.device, self.target.dtype
         ids = torch.as_tensor(ids, dtype=torch.long, device=dev).view(1, -1)
@@ -220,20 +223,23 @@ class TargetRunner:
         hidden = out.last_hidden_state[0]
         keys, values = _stack_cache(self.cache, self.length, self.length + n)
         self.length += n
-        return TargetStep(logits=self.target.lm_head(hidden), hidden=hidden, keys=keys[0], values=values[0])
-
-    def keep(self, slots: Sequence[int] | torch.Tensor) -> None:
-        """Keep only these cache slots (ascending), e.g. the context plus the accepted path of a tree."""
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.target.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, idx)
-            layer.values = layer.values.index_select(2, idx)
-        self.length = int(idx.numel())
+        head = {"all": hidden, "last": hidden[-1:], "none": None}[logits]
+        return TargetStep(logits=None if head is None else self.target.lm_head(head), hidden=hidden, keys=keys[0],
+                          values=values[0])
 
     def keep_path(self, n_new: int, path: Sequence[int]) -> None:
-        """After a forward of n_new tokens, keep the context and only the new tokens at indices `path`."""
+        """After a forward of n_new tokens, keep the context and only the new tokens at indices `path` (ascending).
+
+        A prefix of the new tokens (a chain, or a tree's first branch) is a crop; otherwise the kept slots move up
+        in place: only the new slots are touched, never the context."""
         base = self.length - n_new
-        self.keep(list(range(base)) + [base + int(i) for i in path])
+        path = [int(i) for i in path]
+        if path != list(range(len(path))):
+            src = torch.tensor(path, device=self.target.device) + base
+            for layer in self.cache.layers:
+                layer.keys[:, :, base : base + len(path)] = layer.keys.index_select(2, src)
+                layer.values[:, :, base : base + len(path)] = layer.values.index_select(2, src)
+        self.crop(base + len(path))
 
     def crop(self, length: int) -> None:
         """Drop every cache slot from `length` on."""

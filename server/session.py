@@ -170,7 +170,7 @@ class Session:
         self._check_context(len(tokens))
         t = time.perf_counter()
         runner = self.model.target.new_runner()
-        step = runner.forward(tokens)
+        step = runner.forward(tokens, logits="last")
         next_token = sample_token(step.logits[-1], sampling, self.generator)
         target_s = time.perf_counter() - t
         self.runner, self.tokens = runner, []

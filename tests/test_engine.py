@@ -1,4 +1,5 @@
-"""Single-device engine on tiny float64 targets: lossless greedy, lossless sampling, tree masks."""
+"""Single-device engine on tiny float64 targets (and their int8 versions): lossless greedy, lossless sampling, tree
+masks."""
 
 from collections import Counter
 
@@ -69,6 +70,32 @@ def test_greedy_is_lossless(tiny, drafters, arch, tree):
         forwards[0] += a.stats.target_forwards
         forwards[1] += b.stats.target_forwards
     assert forwards[1] < 0.6 * forwards[0], forwards  # the drafter really gets paths accepted
+
+
+def test_int8_target_is_batch_invariant_and_greedy_lossless():
+    """Per-token activation scales: a token's logits do not depend on the rest of the call, so a tree verify sees
+    what one-token decoding sees and greedy speculation on the int8 target equals its vanilla decoding."""
+    from models.quant import Int8Linear
+    from models.tiny import tiny_target
+
+    tiny = tiny_target(dtype=torch.float32)
+    drafter = train_tiny(tiny, "moa")
+    weights = tiny.fingerprint
+    tiny.quantize_int8()
+    assert isinstance(tiny.lm_head, Int8Linear) and tiny.fingerprint != weights == tiny.weights_fingerprint
+    runner = tiny.new_runner()
+    runner.forward([5, 9, 11])
+    alone = runner.forward([20]).logits[0]
+    runner.crop(3)
+    assert torch.equal(runner.forward([20, 70, 3, 44]).logits[0], alone)
+    vanilla, spec = SpeculativeEngine(tiny, None), SpeculativeEngine(tiny, drafter, tree="4,2,8")
+    forwards = [0, 0]
+    for sample in greedy_continuations(tiny, 3, seed=1):
+        a, b = vanilla.generate(sample.ids[:6], max_new_tokens=40), spec.generate(sample.ids[:6], max_new_tokens=40)
+        assert a.token_ids == b.token_ids
+        forwards[0] += a.stats.target_forwards
+        forwards[1] += b.stats.target_forwards
+    assert forwards[1] < 0.8 * forwards[0], forwards  # paths really get accepted
 
 
 def test_stop_strings_and_streaming(tiny):
@@ -144,12 +171,15 @@ def chi_square_p(counts, joint, n):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=8, top_p=0.9)])
-def test_sampling_keeps_the_target_distribution(sampling):
+@pytest.mark.parametrize("sampling,quantize", [(Sampling(1.0), "none"), (Sampling(0.8, top_k=8, top_p=0.9), "none"),
+                                               (Sampling(1.0), "int8")])
+def test_sampling_keeps_the_target_distribution(sampling, quantize):
     from models.drafter import build_drafter
     from models.tiny import tiny_target
 
-    tiny = tiny_target(vocab_size=12, seed=3)
+    tiny = tiny_target(vocab_size=12, seed=3, dtype=torch.float64 if quantize == "none" else torch.float32)
+    if quantize == "int8":
+        tiny.quantize_int8()
     torch.manual_seed(1)
     drafter = build_drafter("moa", tiny).eval()  # untrained: q differs from p, so the residual matters
     prompt, root, n = [3, 5, 7, 4, 9], 6, 2000  # the broken residual scores p < 1e-100 already
