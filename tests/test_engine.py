@@ -185,6 +185,7 @@ def test_sampling_keeps_the_target_distribution(sampling, quantize):
     prompt, root, n = [3, 5, 7, 4, 9], 6, 2000  # the broken residual scores p < 1e-100 already
     joint = joint_first_two(tiny, prompt, root, sampling)
     good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)"), joint, n)
-    broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
     assert good > 1e-3, good
-    assert broken < 1e-6, broken
+    if quantize == "none":  # the test's power does not depend on the target's weights: shown once per setting
+        broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
+        assert broken < 1e-6, broken
