@@ -110,13 +110,14 @@ class Costs:
 
     verify_s[i][n]: a verify round of n tokens at contexts[i], overheads and the root's memory rows included;
     decode_s[i]: one plain decode step (the baseline's token); row_s: memory rows of each further accepted token;
-    prefill_s: per prompt token, memory rows included."""
+    prefill_s: the target's prefill per prompt token; prompt_rows_s: the prompt's memory rows per token."""
 
     contexts: list[int]
     verify_s: list[dict[int, float]]
     decode_s: list[float]
     row_s: float
     prefill_s: float
+    prompt_rows_s: float
 
     def _at(self, values: list[float], context: float) -> float:
         (c0, c1), (v0, v1) = self.contexts, values
@@ -136,7 +137,8 @@ class Costs:
     @classmethod
     def from_wire(cls, fields: Mapping[str, Any]) -> "Costs":
         return cls(list(fields["contexts"]), [{int(n): float(t) for n, t in v.items()} for v in fields["verify_s"]],
-                   [float(t) for t in fields["decode_s"]], float(fields["row_s"]), float(fields["prefill_s"]))
+                   [float(t) for t in fields["decode_s"]], float(fields["row_s"]), float(fields["prefill_s"]),
+                   float(fields["prompt_rows_s"]))
 
 
 @dataclass

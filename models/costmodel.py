@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from edge_client.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_draft, measure_verify, time_call
@@ -47,12 +45,11 @@ def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Co
 
         verify_s.append(measure_verify(verify, limit))
         decode_s.append(time_call(decode, repeats=5))
-    one, four = (time_call(lambda k=k: rows(_slice(prefill, 0, k), 0)) for k in (1, 5))
-    start = time.perf_counter()
-    runner = target.new_runner()
-    rows(runner.forward(ids[:CONTEXTS[0]], logits="last"), 0)
-    prefill_s = (time.perf_counter() - start) / CONTEXTS[0]
-    return Costs(list(CONTEXTS), verify_s, decode_s, max(0.0, (four - one) / 4), prefill_s)
+    one, five = (time_call(lambda k=k: rows(_slice(prefill, 0, k), 0)) for k in (1, 5))
+    n = CONTEXTS[0]
+    prefill_s = time_call(lambda: target.new_runner().forward(ids[:n], logits="last"), repeats=1) / n
+    prompt_rows_s = time_call(lambda: rows(_slice(prefill, 0, n), 0), repeats=1) / n
+    return Costs(list(CONTEXTS), verify_s, decode_s, max(0.0, (five - one) / 4), prefill_s, prompt_rows_s)
 
 
 def auto_tree(engine, verbose: bool = True) -> Choice:

@@ -185,16 +185,18 @@ class SpeculativeEngine:
         return (self.draft_s[1] + (tree.depth - 1) * self.draft_s[min(tree.topk, 8)]
                 + float(np.interp(n, sizes, [verify[s] for s in sizes])) + (tau - 1) * self.costs.row_s)
 
-    def predict_s(self, prompt_tokens: int, new_tokens: int, tau: float | None = None) -> float | None:
-        """Seconds the cost model predicts for a generation: prefill, then rounds (at the predicted tau, or `tau`);
-        plain decode steps when the engine starts out decoding plainly. None: no tau to predict with (prompt
-        lookup has no acceptance record)."""
+    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Seconds the cost model predicts (from what it measured at start, not from what generations observed
+        since) for a generation: prefill, then rounds at the predicted tau, or plain decode steps where it
+        predicted speculation not to pay. None: no tau to predict with (prompt lookup has no acceptance record)."""
         context = prompt_tokens + new_tokens / 2
         prefill = prompt_tokens * self.costs.prefill_s
-        if self.tree is None or (self.pacer is not None and not self.pacer.pays and tau is None):
+        if self.tree is None or (self.choice is not None and not self.choice.pays):
             return prefill + new_tokens * self.costs.decode(context)
-        tau = tau or (self.choice.tau if self.choice is not None else None)
-        return None if tau is None else prefill + new_tokens / tau * self.round_s(self.tree, tau, context)
+        if self.choice is None:
+            return None
+        prefill += prompt_tokens * self.costs.prompt_rows_s
+        return prefill + new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
 
     def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
         if isinstance(prompt, str):

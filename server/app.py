@@ -293,7 +293,7 @@ class App:
             "session_id": s.id, "limits": self.limits.public(), "target": self.model.target.label,
             "fingerprint": self.model.fingerprint, "vocab_size": self.model.vocab_size,
             "row_width": self.model.row_width, "row_dtype": s.row_dtype,
-            "verify_ms": {str(n): round(t * 1e3, 3) for n, t in self.model.verify_s.items()} or None}))
+            "costs": self.model.costs.to_wire() if self.model.costs else None}))
 
     async def on_prefill(self, conn: Connection, msg: P.Message) -> None:
         s = self.session(conn, msg.fields.get("session_id"))

@@ -18,7 +18,7 @@ import torch
 from edge_client import protocol as P
 from edge_client.budget import MAX_TREE
 from edge_client.tree import DraftTree
-from models.costmodel import measure_target
+from models.costmodel import measure_costs
 from models.drafter import Drafter, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
@@ -63,8 +63,8 @@ class Model:
         self.limits = limits
         self.tree = tree  # server-side drafting budget for `generate` with drafter=server
         self.fingerprint = bundle_fingerprint(target, drafter)
-        # the target's forward time by tree size, for the edges' tree auto (welcome.verify_ms)
-        self.verify_s = measure_target(target, limit=min(MAX_TREE, limits.max_tree_tokens)) if drafter else {}
+        # what rounds cost here, for the edges' tree auto and pacing (welcome.costs)
+        self.costs = measure_costs(target, self.memory_head, min(MAX_TREE, limits.max_tree_tokens)) if drafter else None
         self.metrics = Metrics()
         self._engines: dict[str, SpeculativeEngine] = {}
 
