@@ -8,6 +8,7 @@ Face `generate`: prompt or chat messages, max_new_tokens, temperature, top_p, to
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol, runtime_checkable
@@ -21,6 +22,8 @@ from edge_client.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
+
+log = logging.getLogger("moa.engine")
 
 
 class TorchDraftStep:
@@ -158,6 +161,7 @@ class SpeculativeEngine:
                 self.choice = auto_tree(self)
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice)
+        self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
 
     @property
@@ -247,14 +251,13 @@ class SpeculativeEngine:
                     behind.append((new, step))
                 stats.plain_rounds += self.tree is not None
             if self.pacer is not None:
-                pays = self.pacer.pays
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t)
-                if pays != self.pacer.pays:
+                if self.pacer.pays != self._said:
+                    self._said = self.pacer.pays
                     spec, base = self.pacer.rates()
-                    print(f"tree auto: speculation {'pays again' if self.pacer.pays else 'does not pay'} (observed "
-                          f"{spec:.1f} tokens/s vs {base:.1f} decoding plainly): "
-                          f"{'speculating' if self.pacer.pays else 'decoding plainly, trying again now and then'}",
-                          flush=True)
+                    log.warning("tree auto: speculation %s (observed %.1f tokens/s vs %.1f decoding plainly): %s",
+                                "pays again" if self.pacer.pays else "does not pay", spec, base,
+                                "speculating" if self.pacer.pays else "decoding plainly, trying again now and then")
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:

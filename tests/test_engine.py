@@ -1,6 +1,7 @@
 """Single-device engine on tiny float64 targets (and their int8 versions): lossless greedy, lossless sampling, tree
 masks."""
 
+import logging
 from collections import Counter
 
 import numpy as np
@@ -96,6 +97,24 @@ def test_int8_target_is_batch_invariant_and_greedy_lossless():
         forwards[0] += a.stats.target_forwards
         forwards[1] += b.stats.target_forwards
     assert forwards[1] < 0.8 * forwards[0], forwards  # paths really get accepted
+
+
+def test_engine_decodes_plainly_while_speculation_does_not_pay(tiny, drafters, caplog):
+    vanilla, spec = SpeculativeEngine(tiny, None), SpeculativeEngine(tiny, drafters["moa"], tree="auto")
+    prompt = greedy_continuations(tiny, 1, seed=3)[0].ids[:6]
+    want = vanilla.generate(prompt, max_new_tokens=30).token_ids
+    assert spec.predict_s(len(prompt), 30) > 0 and spec.choice is not None
+    for _ in range(10):  # rounds that made one token a second (a tiny target's real rates are too close to call)
+        spec.pacer.observe(True, 1, 1.0)
+    with caplog.at_level(logging.WARNING, logger="moa.engine"):
+        out = spec.generate(prompt, max_new_tokens=30)
+    said = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert said in ([], ["tree auto: speculation does not pay"])  # at most once (tree auto may have said it)
+    assert out.token_ids == want and out.stats.plain_rounds == len(out.stats.acceptance_lengths) == 30
+    for _ in range(30):  # rounds that pay
+        spec.pacer.observe(True, 8, 1e-5)
+    out = spec.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == want and out.stats.plain_rounds < len(out.stats.acceptance_lengths)
 
 
 def test_stop_strings_and_streaming(tiny):
