@@ -39,9 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--target", default="default", help="target alias, Hugging Face id or path (tiny for a smoke run)")
     s.add_argument("--dtype", default="float32")
     for b, where in ((s, "the target"), (e, "the servers started here")):
-        b.add_argument("--quantize", default="auto", choices=("auto", "none", "int8"), help=f"{where}: auto (int8 for "
-                       "a float32 target on the CPU), none, or int8 (torch dynamic int8 Linear); every method runs "
-                       "the same target")
+        b.add_argument("--quantize", default="none", choices=("none", "int8"), help=f"{where}: none (as loaded) or "
+                       "int8 (int8 Linear layers, CPU); every method runs the same target")
     s.add_argument("--device", default="cpu")
     s.add_argument("--moa", default="moa", help="MoA drafter: the shipped one (moa) or a directory")
     s.add_argument("--eagle", default="eagle", help="EAGLE drafter: the shipped one (eagle) or a directory")

@@ -59,7 +59,7 @@ def summarize(runs: list[Run]) -> dict:
 def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, tree: str = "auto", dtype: str = "fp32", bundles: dict[str, str] | None = None,
              servers: dict[str, str] | None = None, token: str | None = None, threads: int | None = None,
-             quantize: str = "auto", progress: bool = True) -> tuple[dict, list[Run]]:
+             quantize: str = "none", progress: bool = True) -> tuple[dict, list[Run]]:
     """Run the methods side by side. `bundles` and `servers` map a drafter (moa, eagle) to a bundle directory and a
     server URL; missing bundles are the shipped drafters' (exported on first use, in `dtype`), missing servers are
     started here on loopback with that drafter (`threads` torch threads, the target `quantize`d) and stopped at the

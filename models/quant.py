@@ -1,10 +1,12 @@
 """Int8 Linear layers for a CPU target: int8 weights (one scale per output channel) times int8 activations (one
 scale per token), integer matmul (`torch._int_mm`), float output.
 
-Torch's dynamic quantisation (`quantize_dynamic`) scales the activations per tensor: one token's logits then depend
-on the other tokens of the same call, so a verify over a tree would not give the logits a one-token decode gives and
-greedy speculation would stop being lossless. Here every token is scaled on its own and the int32 accumulation is
-exact, so a token's output is the same whatever else is in the call.
+Torch's dynamic quantisation (`quantize_dynamic`) scales the activations per tensor: one token's output then depends
+on the other tokens of the same call (by up to 1 % of the activations' range), so a tree verify would see other
+logits than a one-token decode. Here every token is scaled on its own and the int32 accumulation is exact: a row's
+output of this layer is bit for bit the same whatever else is in the call. (The rest of the model, attention
+above all, still differs by ~1e-6 between call shapes in fp32, and rounding activations to int8 can turn such a
+difference into one int8 step; see the README for what that does to greedy equality on the real target.)
 """
 
 from __future__ import annotations

