@@ -197,10 +197,10 @@ class Pacer:
     weighted sums of tokens and seconds (`weight` per observation), so that a mispredicted or changed machine is
     noticed within a few rounds. While the baseline runs, one speculative round is tried after every `probe_after`
     baseline tokens, so that speculation comes back when it pays again. `pays` is the current belief; callers say
-    so when it changes. The belief flips only once one rate leads the other by `margin`, so that near-equal rates
-    do not flap between the two."""
+    so when it changes. Speculation is dropped as soon as it is slower, and taken back only once it leads by
+    `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap."""
 
-    def __init__(self, choice: Choice, weight: float = 0.3, probe_after: int = 64, margin: float = 0.03):
+    def __init__(self, choice: Choice, weight: float = 0.3, probe_after: int = 256, margin: float = 0.1):
         self.weight, self.probe_after, self.margin = weight, probe_after, margin
         self._spec = [choice.tau, choice.round_s]  # weighted tokens, seconds
         self._base = [1.0, choice.baseline_s]
@@ -218,8 +218,7 @@ class Pacer:
         acc[1] += self.weight * (seconds - acc[1])
         self._since_probe = 0 if speculative else self._since_probe + tokens
         spec, base = self.rates()
-        if spec < base * (1 - self.margin) or spec > base * (1 + self.margin):
-            self.pays = spec > base
+        self.pays = spec > base * (1 + self.margin) if not self.pays else spec >= base
 
     def speculate(self) -> bool:
         """Speculate next (it pays, or a probe is due) or run the baseline."""
