@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_draft, measure_verify, time_call
+from edge_client.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_verify, time_call
 from edge_client.tree import DraftTree
 from models.target import Target, TargetStep
 from models.verify import verify_tree
@@ -56,7 +56,7 @@ def auto_tree(engine, verbose: bool = True) -> Choice:
     """Measure the target and the drafter on this machine and pick the budget (printed when `verbose`)."""
     costs = engine.costs
     context = sum(CONTEXTS) / 2
-    draft_s = measure_draft(engine.step, engine.drafter.row_width, engine.target.spec.hidden_size)
+    draft_s = engine.draft_s
     choice = choose(agreement_table(engine.drafter.agreement_topk), draft_s, costs.verify(context),
                     row_s=costs.row_s, baseline_s=costs.decode(context))
     if verbose:

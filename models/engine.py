@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from edge_client.budget import Choice, Costs, Pacer, measure_draft
+from edge_client.budget import WIDTHS, Choice, Costs, Pacer, measure_draft
 from edge_client.drafting import DraftSession
 from edge_client.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
@@ -178,16 +178,17 @@ class SpeculativeEngine:
         """Seconds of one draft step by frontier width (0 for a proposer, measured on first use for a drafter)."""
         if self._draft_s is None:
             self._draft_s = (measure_draft(self.step, self.drafter.row_width, self.target.spec.hidden_size)
-                             if self.step is not None else {w: 0.0 for w in (1, 2, 4, 8)})
+                             if self.step is not None else {w: 0.0 for w in WIDTHS})
         return self._draft_s
 
     def round_s(self, tree: TreeConfig, tau: float, context: float) -> float:
         """Predicted seconds of one speculative round of `tree` gaining `tau` tokens at `context`."""
-        verify = self.costs.verify(context)
+        verify, draft = self.costs.verify(context), self.draft_s
         sizes = sorted(verify)
-        n = 1 + tree.total_tokens
-        return (self.draft_s[1] + (tree.depth - 1) * self.draft_s[min(tree.topk, 8)]
-                + float(np.interp(n, sizes, [verify[s] for s in sizes])) + (tau - 1) * self.costs.row_s)
+        frontier = float(np.interp(tree.topk, WIDTHS, [draft[w] for w in WIDTHS]))
+        return (draft[1] + (tree.depth - 1) * frontier + float(np.interp(1 + tree.total_tokens, sizes,
+                                                                           [verify[s] for s in sizes]))
+                + (tau - 1) * self.costs.row_s)
 
     def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
         """Seconds the cost model predicts (from what it measured at start, not from what generations observed
