@@ -1,4 +1,4 @@
-"""`python -m bench single|edge|offline ...` runs a benchmark; `python -m bench prompts ...` writes a prompt set.
+"""`python -m bench single|edge|offline|quantize ...` runs a benchmark; `python -m bench prompts ...` writes a prompt set.
 
     python -m bench single --prompts sharegpt --methods vanilla,lookup,eagle,moa --max-new-tokens 128 \\
         --limit 10 --out runs/bench_single
@@ -6,6 +6,7 @@
         --out runs/bench_edge
     python -m bench offline --prompts sharegpt --methods moa,eagle,lookup --cuts 16,64 --limit 10 \\
         --out runs/bench_offline
+    python -m bench quantize --prompts sharegpt --limit 10 --max-new-tokens 64 --out runs/quantize
     python -m bench prompts --set mixed --n 40 --out prompts.jsonl
 """
 
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "%(default)s)")
     o.add_argument("--offline-temperature", type=float, default=0.0, help="0 = greedy (default)")
     add_offline_guard_arguments(o)
+    for b, where in ((s, "the target"), (e, "the servers started here"), (o, "the target")):
+        b.add_argument("--quantize", default="none", choices=("none", "int8"), help=f"{where}: none (as loaded) or "
+                       "int8 (int8 Linear layers, CPU); every method runs the same target")
     e.add_argument("--threads", type=int, default=None,
                    help="ONNX Runtime threads on the edge, and torch threads of the servers started here")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int8"),
@@ -65,11 +69,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--eagle-server", default=None, help="ws(s):// URL of a server with the EAGLE memory head; "
                    "default: start one on loopback with the shipped drafter")
     e.add_argument("--token", default=None, help="bearer token for the servers")
+    q = sub.add_parser("quantize", help="fp32 vs int8 target: greedy agreement, weights, tokens/s, verify times")
+    q.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
+    q.add_argument("--limit", type=int, default=None, help="run the first N prompts only")
+    q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    q.add_argument("--target", default="default", help="target alias, Hugging Face id or path")
+    q.add_argument("--out", required=True, help="output directory")
     w = sub.add_parser("prompts", help="write a built-in prompt set as Spec-Bench jsonl")
     w.add_argument("--set", required=True, choices=SETS)
     w.add_argument("--n", type=int, default=None, help="first N prompts (default: all)")
     w.add_argument("--out", required=True)
-    for parser in (s, e, o, w):
+    for parser in (s, e, o, q, w):
         parser.add_argument("--heldout", default=None, help="draw the sharegpt set from this held-out split "
                             "(heldout.jsonl written by models.train); default: the shipped bench/sharegpt_heldout.jsonl")
     return p.parse_args(argv)
@@ -85,7 +96,7 @@ def load_models(args: argparse.Namespace, methods: list[str]):
     if args.threads:
         torch.set_num_threads(args.threads)
     drafters = {m: str(resolve_drafter_path(getattr(args, m))) for m in ("moa", "eagle") if m in methods}
-    return load_target(args.target, dtype=args.dtype, device=args.device), drafters
+    return load_target(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize), drafters
 
 
 def single(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) -> tuple[dict, list]:
@@ -104,7 +115,8 @@ def edge(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) ->
         return {d: getattr(args, f"{d}_{kind}") for d in ("moa", "eagle") if getattr(args, f"{d}_{kind}")}
 
     return run_edge(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.tree, args.dtype,
-                    pick("bundle"), pick("server"), args.token, args.threads, progress=not args.no_progress)
+                    pick("bundle"), pick("server"), args.token, args.threads, args.quantize,
+                    progress=not args.no_progress)
 
 
 def offline(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) -> tuple[dict, list]:
@@ -139,11 +151,33 @@ def benchmark(args: argparse.Namespace) -> None:
     print(f"\nwrote {out}/results.json, results.md, results.png, outputs.jsonl, prompts.jsonl")
 
 
+def quantize(args: argparse.Namespace) -> None:
+    """fp32 vs int8 target; writes results.json and results.md."""
+    import torch
+
+    from bench.quantize import markdown, run_quantize
+    from models.target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.limit, args.heldout)
+    results = run_quantize(load_target(args.target, quantize="none"), load_target(args.target, quantize="int8"),
+                           prompts, args.max_new_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"wrote {out}/results.json, results.md")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         if args.command in ("single", "edge", "offline"):
             benchmark(args)
+        elif args.command == "quantize":
+            quantize(args)
         else:
             prompts = builtin_prompts(args.set, args.heldout)[: args.n]
             write_prompts(prompts, args.out)

@@ -10,7 +10,11 @@ and per category, beyond tokens/s, speedup (over api) and outputs_match_api (gre
 - server_ms_per_token: the server's own compute per new token, as its replies report it;
 - bytes_per_token: frames up and down per new token (memory rows included);
 - network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
-- draft_share: the share of the time the edge spent drafting.
+- draft_share: the share of the time the edge spent drafting;
+- api_share: the share of a speculative method's generations the server made alone because speculation did not pay;
+- predicted_tokens_per_s: what the edge's cost model predicted at connect (edge_client.budget: the server's
+  measured costs, the edge's draft step, the round trip, the drafter's held-out acceptance), next to tokens_per_s;
+  predicted_error = predicted / measured - 1.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from bench.prompts import Prompt
-from bench.runs import Run, Turn, aggregate, machine, now, run_interleaved, total
+from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
 from edge_client.client import EdgeSession, default_bundle
 from server.process import ServerProcess
 
@@ -30,7 +34,10 @@ def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
     def turn(messages: list[dict]) -> tuple[str, list[int], dict[str, float]]:
         res = session.complete(messages, seed=seed, **gen)
         s = session.stats
+        predicted = session.predict_s(len(session.encode(messages)), s.new_tokens)
         return res.text, res.token_ids, {
+            "generations": 1, "api_generations": int(s.mode == "api"),
+            **({"predicted_s": predicted} if predicted is not None else {}),
             "new_tokens": s.new_tokens, "total_s": s.total_s, "verify_calls": s.verify_calls,
             "accepted_tokens": s.accepted_tokens, "server_calls": s.server_calls, "server_s": s.server_s,
             "bytes": s.bytes_up + s.bytes_down, "network_wait_s": s.network_wait_s, "draft_s": s.draft_s}
@@ -45,16 +52,18 @@ def summarize(runs: list[Run]) -> dict:
             "server_ms_per_token": 1000 * total(runs, "server_s") / new,
             "bytes_per_token": total(runs, "bytes") / new,
             "network_wait_share": total(runs, "network_wait_s") / seconds,
-            "draft_share": total(runs, "draft_s") / seconds}
+            "draft_share": total(runs, "draft_s") / seconds,
+            "api_share": total(runs, "api_generations") / max(1, total(runs, "generations")), **predicted(runs)}
 
 
 def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, tree: str = "auto", dtype: str = "fp32", bundles: dict[str, str] | None = None,
              servers: dict[str, str] | None = None, token: str | None = None, threads: int | None = None,
-             progress: bool = True) -> tuple[dict, list[Run]]:
+             quantize: str = "none", progress: bool = True) -> tuple[dict, list[Run]]:
     """Run the methods side by side. `bundles` and `servers` map a drafter (moa, eagle) to a bundle directory and a
     server URL; missing bundles are the shipped drafters' (exported on first use, in `dtype`), missing servers are
-    started here on loopback with that drafter (`threads` torch threads) and stopped at the end."""
+    started here on loopback with that drafter (`threads` torch threads, the target `quantize`d) and stopped at the
+    end. Every method must see the same target: servers that report different ones are refused."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
@@ -65,12 +74,16 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
     with ExitStack() as stack:
         local = [d for d in drafters if d not in servers]
         for d in local:  # one after the other: each times its target at start, undisturbed by the others
-            server = ServerProcess(["--drafter", d, "--log-level", "warning"] +
+            server = ServerProcess(["--drafter", d, "--quantize", quantize, "--log-level", "warning"] +
                                    (["--threads", str(threads)] if threads else []))
             servers[d] = stack.enter_context(server).url
         sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
                                                        mode="api" if m == "api" else "speculative", tree=tree,
                                                        threads=threads)) for m in methods}
+        targets = {s.target for s in sessions.values()}
+        if len(targets) > 1:
+            raise ValueError(f"the servers run different targets ({', '.join(sorted(targets))}): the methods would "
+                             "not be comparable")
         runs = run_interleaved(
             lambda m, seed, n: session_turn(sessions[m], seed, max_new_tokens=n, temperature=temperature),
             methods, prompts, max_new_tokens, seed, progress)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 COMMON = (("tau", "tau", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+          ("predicted tokens/s", "predicted_tokens_per_s", "{:.1f}"), ("prediction error", "predicted_error", "{:+.0%}"),
           ("median tokens/s", "tokens_per_s_median", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"))
 COLUMNS = {
     "single": COMMON + (("target fwd/token", "target_forwards_per_token", "{:.3f}"),

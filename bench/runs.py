@@ -69,6 +69,16 @@ def total(runs: list[Run], key: str) -> float:
     return sum(r.totals.get(key, 0) for r in runs)
 
 
+def predicted(runs: list[Run]) -> dict:
+    """predicted_tokens_per_s (new tokens over the predicted seconds, `predicted_s` of every turn) and
+    predicted_error (predicted / measured - 1); None where some run has no prediction."""
+    if not runs or any("predicted_s" not in r.totals for r in runs):
+        return {"predicted_tokens_per_s": None, "predicted_error": None}
+    rate = total(runs, "new_tokens") / max(1e-9, total(runs, "predicted_s"))
+    measured = total(runs, "new_tokens") / max(1e-9, total(runs, "total_s"))
+    return {"predicted_tokens_per_s": rate, "predicted_error": rate / measured - 1}
+
+
 def aggregate(runs: dict[str, list[Run]], baseline: str, greedy: bool,
               summarize: Callable[[list[Run]], dict]) -> dict:
     """results["methods"]: per method, overall and per category, tokens_per_s (total new tokens / total time),

@@ -7,6 +7,9 @@ turn). Figures per method, overall and per category:
 - tokens_per_s: total new tokens / total generation time; tokens_per_s_median: median over prompts;
 - speedup: tokens_per_s over vanilla's in the same run;
 - target_forwards_per_token: target forwards (prefills included) per new token;
+- predicted_tokens_per_s: what the engine's cost model predicted before the run (prefill and rounds at the predicted
+  tau, or plain decoding where it predicted speculation not to pay), next to the measured tokens_per_s;
+  predicted_error = predicted / measured - 1 (None for prompt lookup: it has no acceptance record to predict with);
 - outputs_match_vanilla (greedy only): the share of prompts whose token ids equal vanilla's.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from bench.prompts import Prompt
-from bench.runs import Run, Turn, aggregate, machine, now, run_interleaved, total
+from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
 from models.engine import SpeculativeEngine
 from models.target import Target
 
@@ -40,18 +43,22 @@ def engine_turn(engine: SpeculativeEngine, seed: int, **gen) -> Turn:
     def turn(messages: list[dict]) -> tuple[str, list[int], dict[str, float]]:
         res = engine.generate(messages, seed=seed, **gen)
         s = res.stats
+        predicted = engine.predict_s(len(engine.encode(messages)), s.new_tokens)
         return res.text, res.token_ids, {
             "new_tokens": s.new_tokens, "total_s": s.total_s, "gained": sum(s.acceptance_lengths),
             "rounds": len(s.acceptance_lengths), "target_forwards": s.target_forwards, "drafter_calls": s.drafter_calls,
-            "draft_s": s.draft_s, "verify_s": s.verify_s}
+            "draft_s": s.draft_s, "verify_s": s.verify_s, "plain_rounds": s.plain_rounds,
+            **({"predicted_s": predicted} if predicted is not None else {})}
     return turn
 
 
 def summarize(runs: list[Run]) -> dict:
-    """The single-device figures beyond tokens/s: tau, target forwards per token, time drafting and verifying."""
+    """The single-device figures beyond tokens/s: tau, target forwards per token, time drafting and verifying,
+    rounds decoded plainly, the cost model's prediction."""
     return {"tau": total(runs, "gained") / max(1, total(runs, "rounds")),
             "target_forwards_per_token": total(runs, "target_forwards") / max(1, total(runs, "new_tokens")),
-            "draft_s": total(runs, "draft_s"), "verify_s": total(runs, "verify_s")}
+            "draft_s": total(runs, "draft_s"), "verify_s": total(runs, "verify_s"),
+            "plain_round_share": total(runs, "plain_rounds") / max(1, total(runs, "rounds")), **predicted(runs)}
 
 
 def run_single(
@@ -74,12 +81,13 @@ def run_single(
         "torch": torch.__version__,
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
+        "quantize": target.quantize,
         "tree": {m: str(e.tree) if e.tree else "none" for m, e in engines.items()},
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
         "n_prompts": len(prompts),
-        "target": target.name,
+        "target": target.label,
         "drafters": {m: str(p) for m, p in (drafter_paths or {}).items() if m in engines},
         "date": now(),
     }

@@ -1,20 +1,27 @@
-"""`--tree auto`: the draft tree budget (depth, frontier width) that maximises predicted tokens per second.
+"""`--tree auto`: the draft tree budget (depth, frontier width) that maximises predicted tokens per second, and
+the online check that speculation still pays (`Pacer`).
 
-Tokens per second of a tree with depth D and frontier width k is tau(D, k) / (draft time + verify time + link
-time), where tau(D, k) = 1 + sum_{d<=D} prod_{j<=d} a_j(k) uses the drafter's held-out top-k agreement per depth
-(from its training record), the draft time is one priming call plus D-1 calls over k frontier nodes, the verify
-time is the target's forward over 1 + D*k tokens, and the link time is one round trip (0 on one device). All
-times are measured where they are spent: on one device by the engine (models/costmodel.py); between an edge and a
-server, the server measures its verify times at start and sends them in `welcome`, the edge measures its own
-draft step and the round trip. On a CPU a bigger verify costs much more; on a big GPU 64 tokens cost about what
-one does, and the same code picks a wider tree. Torch-free: the edge uses it.
+Tokens per second of a tree with depth D and frontier width k is tau(D, k) / round time, where
+tau(D, k) = 1 + sum_{d<=D} prod_{j<=d} a_j(k) uses the drafter's held-out top-k agreement per depth (from its
+training record) and the round time is
+- the draft: one priming call plus D-1 calls over k frontier nodes;
+- the verify round on the target's side over 1 + D*k tokens, everything included: the forward, the LM head on
+  the rows the acceptance walk reads, keeping the accepted path, the memory rows of the root, plus `row_s` for
+  each further accepted token (`Costs`, measured at two context lengths and interpolated);
+- one round trip between an edge and a server (0 on one device).
+The baseline makes one token per plain decode step (`Costs.decode_s`): vanilla decoding, or the server alone (api).
+A generation also pays its prefill (`Costs.prefill_s` per prompt token). All times are measured where they are
+spent: on one device by the engine (models/costmodel.py); between an edge and a server, the server measures its
+costs at start and sends them in `welcome`, the edge measures its own draft step and the round trip. On a CPU a
+bigger verify costs much more; on a big GPU 64 tokens cost about what one does, and the same code picks a wider
+tree. Torch-free: the edge uses it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -98,11 +105,56 @@ def measure_draft(step, row_width: int, hidden_size: int, context: int = 256) ->
 
 
 @dataclass
+class Costs:
+    """What the target's side of a round costs, measured at `contexts` (two lengths; linear in between and beyond).
+
+    verify_s[i][n]: a verify round of n tokens at contexts[i], overheads and the root's memory rows included;
+    decode_s[i]: one plain decode step (the baseline's token); row_s: memory rows of each further accepted token;
+    prefill_s: the target's prefill per prompt token; prompt_rows_s: the prompt's memory rows per token."""
+
+    contexts: list[int]
+    verify_s: list[dict[int, float]]
+    decode_s: list[float]
+    row_s: float
+    prefill_s: float
+    prompt_rows_s: float
+
+    def _at(self, values: list[float], context: float) -> float:
+        (c0, c1), (v0, v1) = self.contexts, values
+        return max(0.0, v0 + (v1 - v0) * (context - c0) / (c1 - c0))
+
+    def verify(self, context: float) -> dict[int, float]:
+        """Verify round seconds by size at this context."""
+        return {n: self._at([self.verify_s[0][n], self.verify_s[1][n]], context) for n in self.verify_s[0]}
+
+    def decode(self, context: float) -> float:
+        return self._at(self.decode_s, context)
+
+    def to_wire(self) -> dict[str, Any]:
+        """For `welcome.costs` (JSON: string keys)."""
+        return {**asdict(self), "verify_s": [{str(n): t for n, t in v.items()} for v in self.verify_s]}
+
+    @classmethod
+    def from_wire(cls, fields: Mapping[str, Any]) -> "Costs":
+        return cls(list(fields["contexts"]), [{int(n): float(t) for n, t in v.items()} for v in fields["verify_s"]],
+                   [float(t) for t in fields["decode_s"]], float(fields["row_s"]), float(fields["prefill_s"]),
+                   float(fields["prompt_rows_s"]))
+
+
+@dataclass
 class Choice:
     tree: TreeConfig
     tau: float  # predicted tokens per round
-    tokens_per_s: float  # predicted
-    baseline_tokens_per_s: float  # one token per target forward of 1: vanilla, or the server alone (api)
+    round_s: float  # predicted seconds per round (draft + verify round + accepted tokens' rows + link)
+    baseline_s: float  # predicted seconds per baseline token (a plain decode step; + nothing: api streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tau / self.round_s
+
+    @property
+    def baseline_tokens_per_s(self) -> float:
+        return 1.0 / self.baseline_s
 
     @property
     def pays(self) -> bool:
@@ -114,8 +166,11 @@ class Choice:
 
 
 def choose(agreement: dict[int, list[float]], draft_s: Mapping[int, float], verify_s: Mapping[int, float],
-           link_s: float = 0.0) -> Choice:
-    """The budget with the most predicted tokens per second among those whose verify size was measured."""
+           link_s: float = 0.0, row_s: float = 0.0, baseline_s: float | None = None) -> Choice:
+    """The budget with the most predicted tokens per second among those whose verify size was measured.
+
+    `verify_s`: verify round seconds by size, `row_s`: per further accepted token, `baseline_s`: one baseline
+    token (default: a verify round of 1)."""
     best: Choice | None = None
     for w in WIDTHS:
         acc = agreement.get(w)
@@ -126,10 +181,45 @@ def choose(agreement: dict[int, list[float]], draft_s: Mapping[int, float], veri
             if n not in verify_s:
                 continue
             tau = expected_tau((acc + [acc[-1] * 0.9 ** i for i in range(1, 9)])[:depth])
-            seconds = draft_s[1] + (depth - 1) * draft_s[w] + verify_s[n] + link_s
+            seconds = draft_s[1] + (depth - 1) * draft_s[w] + verify_s[n] + (tau - 1) * row_s + link_s
             if best is None or tau / seconds > best.tokens_per_s:
-                best = Choice(TreeConfig(depth, w, depth * w), tau, tau / seconds, 0.0)
+                best = Choice(TreeConfig(depth, w, depth * w), tau, seconds, 0.0)
     if best is None:
         raise ValueError("no candidate tree: no measured verify size fits")
-    best.baseline_tokens_per_s = 1.0 / verify_s[1]
+    best.baseline_s = verify_s[1] if baseline_s is None else baseline_s
     return best
+
+
+class Pacer:
+    """Whether to speculate now: speculation runs while its observed tokens per second beat the baseline's.
+
+    Both rates start at the cost model's predictions (`Choice`) and follow what is observed, as exponentially
+    weighted sums of tokens and seconds (`weight` per observation), so that a mispredicted or changed machine is
+    noticed within a few rounds. While the baseline runs, one speculative round is tried after every `probe_after`
+    baseline tokens, so that speculation comes back when it pays again. `pays` is the current belief; callers say
+    so when it changes. Speculation is dropped as soon as it is slower, and taken back only once it leads by
+    `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap."""
+
+    def __init__(self, choice: Choice, weight: float = 0.3, probe_after: int = 256, margin: float = 0.1):
+        self.weight, self.probe_after, self.margin = weight, probe_after, margin
+        self._spec = [choice.tau, choice.round_s]  # weighted tokens, seconds
+        self._base = [1.0, choice.baseline_s]
+        self._since_probe = 0
+        self.pays = choice.pays
+
+    def rates(self) -> tuple[float, float]:
+        """Current estimates: speculative and baseline tokens per second."""
+        return self._spec[0] / self._spec[1], self._base[0] / self._base[1]
+
+    def observe(self, speculative: bool, tokens: int, seconds: float) -> None:
+        """A round (or a stretch of baseline decoding) made `tokens` in `seconds`."""
+        acc = self._spec if speculative else self._base
+        acc[0] += self.weight * (tokens - acc[0])
+        acc[1] += self.weight * (seconds - acc[1])
+        self._since_probe = 0 if speculative else self._since_probe + tokens
+        spec, base = self.rates()
+        self.pays = spec > base * (1 + self.margin) if not self.pays else spec >= base
+
+    def speculate(self) -> bool:
+        """Speculate next (it pays, or a probe is due) or run the baseline."""
+        return self.pays or self._since_probe >= self.probe_after

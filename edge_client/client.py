@@ -41,7 +41,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from edge_client import protocol as P
-from edge_client.budget import agreement_table, choose, measure_draft
+from edge_client.budget import Choice, Costs, Pacer, agreement_table, choose, measure_draft
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
 from edge_client.drafting import DraftSession, OfflineGuard
 from edge_client.runtime import OrtDraftStep
@@ -172,38 +172,46 @@ def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
     return out
 
 
-def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: Link) -> tuple[TreeConfig, str]:
-    """The draft tree budget and why. `auto`: the budget with the most predicted tokens/s from the drafter's
-    held-out agreement, this edge's draft step time, the server's verify times (welcome.verify_ms) and the round
-    trip (edge_client/budget.py); without those, the budget the exporter measured the bundle's acceptance with.
+def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: Link,
+             rtt: float) -> tuple[TreeConfig, str, Choice | None]:
+    """The draft tree budget, why, and the cost model's prediction (tree auto with the server's costs only).
+    `auto`: the budget with the most predicted tokens/s from the drafter's held-out agreement, this edge's draft
+    step time, the server's costs (welcome.costs) and the round trip `rtt` (edge_client/budget.py); without those,
+    the budget the exporter measured the bundle's acceptance with.
 
     Either way the tree is cut to the server's max_tree_tokens (root included)."""
+    choice = None
     if tree == "auto":
-        tree, why = auto_tree(bundle, step, link)
+        tree, why, choice = auto_tree(bundle, step, link, rtt)
     else:
         tree, why = (tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree)), "given"
     max_tree_tokens = link.welcome["limits"]["max_tree_tokens"]
     if tree.total_tokens >= max_tree_tokens:
         tree, why = replace(tree, total_tokens=max_tree_tokens - 1), f"{why}; cut to the server's limit"
-    return tree, why
+    return tree, why, choice
 
 
-def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link) -> tuple[TreeConfig, str]:
-    verify_ms = link.welcome.get("verify_ms")
-    if verify_ms and bundle.agreement_topk:
-        verify_s = {int(n): ms / 1e3 for n, ms in verify_ms.items()}
+def server_costs(link: Link) -> Costs | None:
+    return Costs.from_wire(link.welcome["costs"]) if link.welcome.get("costs") else None
+
+
+def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link, rtt: float) -> tuple[TreeConfig, str, Choice | None]:
+    costs = server_costs(link)
+    if costs and bundle.agreement_topk:
+        context = sum(costs.contexts) / 2
         draft_s = measure_draft(step, bundle.row_width, bundle.hidden_size)
-        rtt = link.round_trip_s()
-        choice = choose(agreement_table(bundle.agreement_topk), draft_s, verify_s, rtt)
-        why = (f"auto: {choice.describe()} (server verify of 1 token {verify_s[1] * 1e3:.0f} ms, edge draft step "
-               f"{draft_s[1] * 1e3:.1f} ms, round trip {rtt * 1e3:.1f} ms)")
+        choice = choose(agreement_table(bundle.agreement_topk), draft_s, costs.verify(context), rtt, costs.row_s,
+                        costs.decode(context))
+        why = (f"auto: {choice.describe()} (server verify round of 1 token {costs.verify(context)[1] * 1e3:.0f} ms, "
+               f"decode step {costs.decode(context) * 1e3:.0f} ms, edge draft step {draft_s[1] * 1e3:.1f} ms, "
+               f"round trip {rtt * 1e3:.1f} ms)")
         if not choice.pays:
-            why += "; predicted slower than the server alone (--mode api)"
-        return choice.tree, why
+            why += "; predicted slower than the server alone: the server generates (api) until speculation pays"
+        return choice.tree, why, choice
     acc = bundle.meta.get("checks", {}).get("acceptance")
     if acc:
-        return TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}"
-    return TreeConfig(), "auto: default budget, the bundle has no acceptance record"
+        return TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}", None
+    return TreeConfig(), "auto: default budget, the bundle has no acceptance record", None
 
 
 def token_tensor(tokens: list[int]) -> dict[str, np.ndarray]:
@@ -389,6 +397,9 @@ class EdgeSession:
         self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts()) if offline_guard else None
         self.offline_temperature = offline_temperature
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
+        self.choice: Choice | None = None  # the cost model's prediction (tree auto)
+        self.pacer: Pacer | None = None  # speculative mode with tree auto: whether to let the server generate
+        self.rtt_s = 0.0
         self.stats = Stats(mode)
         self.result: Result | None = None
         self.session_id: str | None = None
@@ -410,10 +421,16 @@ class EdgeSession:
         if mode != "offline":
             self._link = self._open()
             self.session_id, self.target = self._link.session_id, self._link.welcome["target"]
+            self.rtt_s = self._link.round_trip_s()
             if mode == "speculative":  # api mode never drafts: no budget to fit
-                self.tree, self.tree_note = fit_tree(tree, self.bundle, self.step, self._link)
-            log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,
-                     self.session_id, self.tree, self.tree_note)
+                self.tree, self.tree_note, self.choice = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
+                # a switch to the server alone lasts a whole generation: probe speculation again rarely
+                self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
+                self._paid = self.pacer.pays if self.pacer else True  # the verdict last reported
+                log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,
+                         self.session_id, self.tree, self.tree_note)
+            else:
+                log.info("connected to %s: target %s, session %s", server, self.target, self.session_id)
 
     # ---- public API -------------------------------------------------------------------------------------------
     @property
@@ -437,18 +454,51 @@ class EdgeSession:
         `drop_after` drops the link once that many generated tokens are verified and keeps it down for
         `offline_for` seconds (None: to the end of this generation)."""
         ids = self.encode(prompt)
-        self.stats = Stats(self.mode, tree=str(self.tree) if self.mode == "speculative" else "")
+        mode = self.mode
+        if self.pacer is not None and self.online:
+            self._say_pace()
+            if not self.pacer.speculate():
+                mode = "api"  # speculation does not pay: the server generates this reply alone
+        self.stats = Stats(mode, tree=str(self.tree) if mode == "speculative" else "")
         self.result = None
         self._sampling = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k)}
         self._rng = np.random.default_rng(seed)
         start = time.perf_counter()
-        run = self._api(ids, max_new_tokens) if self.mode == "api" else \
+        run = self._api(ids, max_new_tokens) if mode == "api" else \
             self._speculative(ids, max_new_tokens, drop_after, offline_for)
         for chunk in run:
             self.stats.total_s = time.perf_counter() - start
             yield chunk
         self.stats.total_s = time.perf_counter() - start
         self.stats.new_tokens = len(self.result.token_ids)
+
+    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Seconds the cost model predicts (from what was measured at connect) for a generation of this session:
+        the server alone (api mode, or speculation predicted not to pay): a round trip, its prefill and decode
+        steps; speculative: a round trip and the prefill with the prompt's memory rows, then rounds at the predicted
+        tau. None without the server's costs or a prediction (a given tree, no acceptance record, offline)."""
+        costs = server_costs(self._link) if self._link is not None else None
+        if costs is None or self.mode == "offline":
+            return None
+        context = prompt_tokens + new_tokens / 2
+        prefill = self.rtt_s + prompt_tokens * costs.prefill_s
+        if self.mode == "api" or (self.choice is not None and not self.choice.pays):
+            return prefill + new_tokens * costs.decode(context)
+        if self.choice is None:
+            return None
+        c = self.choice
+        n = 1 + c.tree.total_tokens
+        shift = costs.verify(context)[n] - costs.verify(sum(costs.contexts) / 2)[n]  # the round, at this context
+        return prefill + prompt_tokens * costs.prompt_rows_s + new_tokens / c.tau * (c.round_s + shift)
+
+    def _say_pace(self) -> None:
+        """Log the pacer's verdict when it has changed since it was last said."""
+        if self.pacer.pays != self._paid:
+            self._paid = self.pacer.pays
+            spec, api = self.pacer.rates()
+            log.info("speculation %s (observed %.1f tokens/s vs %.1f from the server alone): %s", "pays again" if
+                     self._paid else "does not pay", spec, api, "speculating" if self._paid else
+                     f"the server generates alone (api), trying speculation again after {self.pacer.probe_after} tokens")
 
     def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
         """generate() to the end; the Result."""
@@ -640,7 +690,7 @@ class EdgeSession:
 
     def _verify_round(self) -> None:
         root = self.tokens[-1]
-        t = time.perf_counter()
+        t = start = time.perf_counter()
         tree = self._draft.draft(root, self.tree, self._sampling["temperature"], self._rng)
         self.stats.draft_s += time.perf_counter() - t
         self.seq += 1
@@ -661,6 +711,8 @@ class EdgeSession:
         self._commit(new, reply)
         self.stats.verify_calls += 1
         self.stats.accepted_tokens += len(new)
+        if self.pacer is not None:
+            self.pacer.observe(True, len(new), time.perf_counter() - start)
 
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
         """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""
@@ -756,9 +808,13 @@ class EdgeSession:
             self._link = self._open()
         fields = {"max_new_tokens": max_new, **self._sampling, "drafter": "none"}
         self._send(P.encode(P.GENERATE, fields, token_tensor(prompt)))
+        first = None  # when the first token came: the rate after it is the server's decoding, prefill excluded
         while (msg := self._receive()).type == P.TOKEN:
+            first = first or time.perf_counter()
             yield Chunk(msg.fields["text"])
         f = expect(msg, P.DONE).fields
+        if self.pacer is not None and first is not None and len(f["tokens"]) > 1:
+            self.pacer.observe(False, len(f["tokens"]) - 1, time.perf_counter() - first)
         lengths = f["stats"].get("acceptance_lengths", [])
         self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
         self.stats.server_s = f["stats"].get("total_s", 0.0)

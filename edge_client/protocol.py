@@ -145,7 +145,7 @@ SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     HELLO: {"fields": {"fingerprint": "str", "client": "str", "row_dtype": ROW_DTYPES, "auth?": "str"},
             "tensors": {}},
     WELCOME: {"fields": {"session_id": "str", "limits": "object", "target": "str", "fingerprint": "str",
-                         "vocab_size": "int", "row_width": "int", "row_dtype": ROW_DTYPES, "verify_ms?": "object"},
+                         "vocab_size": "int", "row_width": "int", "row_dtype": ROW_DTYPES, "costs?": "object"},
               "tensors": {}},
     PREFILL: {"fields": {"session_id?": "str", "seq": "int", **_SAMPLING_OPT}, "tensors": _TOKENS},
     PREFILLED: {"fields": {"seq": "int", "next_token": "int", "length": "int", "timings?": "object"},

@@ -1,35 +1,69 @@
-"""`--tree auto` on one device, and the server's verify costs for the edge's: the target side of
-edge_client/budget.py (which states the cost model)."""
+"""`--tree auto` on one device, and the server's costs for the edge's: the target side of edge_client/budget.py
+(which states the cost model)."""
 
 from __future__ import annotations
 
-from edge_client.budget import MAX_TREE, agreement_table, choose, measure_draft, measure_verify
-from edge_client.tree import TreeConfig
-from models.target import Target
+import numpy as np
+
+from edge_client.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_verify, time_call
+from edge_client.tree import DraftTree
+from models.target import Target, TargetStep
+from models.verify import verify_tree
+
+CONTEXTS = (128, 512)  # where verify rounds are timed: a short prompt, and a long chat
 
 
-def measure_target(target: Target, context: int = 256, limit: int = MAX_TREE) -> dict[int, float]:
-    """Seconds of a target forward over n new tokens after `context` cached ones, for every candidate tree size."""
-    runner = target.new_runner()
-    ids = [i % target.spec.vocab_size for i in range(10, 10 + context + limit)]  # any in-vocabulary ids will do
-    runner.forward(ids[:context])
-
-    def forward(n: int) -> None:
-        runner.forward(ids[context:context + n])
-        runner.crop(context)
-
-    return measure_verify(forward, limit)
+def _slice(step: TargetStep, start: int, end: int) -> TargetStep:
+    return TargetStep(None, step.hidden[start:end], step.keys[:, start:end], step.values[:, start:end])
 
 
-def auto_tree(engine, verbose: bool = True) -> TreeConfig:
+def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Costs:
+    """Time what rounds cost on this target: verify rounds as the engine and the server run them (tree forward,
+    LM head rows, keep, the root's memory rows when `memory_head` is given), plain decode steps, memory rows per
+    token and the prefill, at each of CONTEXTS."""
+    ids = [10 + i % (target.spec.vocab_size - 10) for i in range(max(CONTEXTS) + limit)]  # any in-vocabulary ids
+
+    def rows(step: TargetStep, start: int) -> None:
+        if memory_head is not None:
+            memory_head.memory_rows(step, list(range(start, start + step.hidden.shape[0])))
+
+    verify_s, decode_s = [], []
+    for context in CONTEXTS:
+        runner = target.new_runner()
+        prefill = runner.forward(ids[:context], logits="last")
+
+        def verify(n: int) -> None:
+            tree = DraftTree(np.asarray(ids[context + 1:context + n]), np.arange(-1, n - 2), np.arange(1, n),
+                             np.zeros((n, 1), np.int64), np.zeros((n, 1), np.float32))
+            verified = verify_tree(runner, ids[context], tree)
+            rows(verified.step, context)
+            runner.crop(context)
+
+        def decode() -> None:
+            runner.forward(ids[context:context + 1])
+            runner.crop(context)
+
+        verify_s.append(measure_verify(verify, limit))
+        decode_s.append(time_call(decode, repeats=5))
+    one, five = (time_call(lambda k=k: rows(_slice(prefill, 0, k), 0)) for k in (1, 5))
+    n = CONTEXTS[0]
+    prefill_s = time_call(lambda: target.new_runner().forward(ids[:n], logits="last"), repeats=1) / n
+    prompt_rows_s = time_call(lambda: rows(_slice(prefill, 0, n), 0), repeats=1) / n
+    return Costs(list(CONTEXTS), verify_s, decode_s, max(0.0, (five - one) / 4), prefill_s, prompt_rows_s)
+
+
+def auto_tree(engine, verbose: bool = True) -> Choice:
     """Measure the target and the drafter on this machine and pick the budget (printed when `verbose`)."""
-    verify_s = measure_target(engine.target)
-    draft_s = measure_draft(engine.step, engine.drafter.row_width, engine.target.spec.hidden_size)
-    choice = choose(agreement_table(engine.drafter.agreement_topk), draft_s, verify_s)
+    costs = engine.costs
+    context = sum(CONTEXTS) / 2
+    draft_s = engine.draft_s
+    choice = choose(agreement_table(engine.drafter.agreement_topk), draft_s, costs.verify(context),
+                    row_s=costs.row_s, baseline_s=costs.decode(context))
     if verbose:
-        print(f"tree auto: {choice.describe()} (verify of 1 token {verify_s[1] * 1e3:.0f} ms, draft step "
-              f"{draft_s[1] * 1e3:.1f} ms)", flush=True)
+        print(f"tree auto: {choice.describe()} (verify round of 1 token {costs.verify(context)[1] * 1e3:.0f} ms, "
+              f"decode step {costs.decode(context) * 1e3:.0f} ms, draft step {draft_s[1] * 1e3:.1f} ms)", flush=True)
         if not choice.pays:
-            print("tree auto: warning: with this drafter's measured acceptance, speculation is predicted to be "
-                  "slower than vanilla decoding on this machine", flush=True)
-    return choice.tree
+            print("tree auto: with this drafter's measured acceptance, speculation is predicted to be slower than "
+                  "vanilla decoding on this machine: decoding plainly, trying speculation again now and then",
+                  flush=True)
+    return choice

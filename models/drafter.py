@@ -60,7 +60,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
         self.training_record: dict | None = None  # set by load_drafter from config.json
-        self.target_fingerprint = target.fingerprint
+        self.target_fingerprint = target.weights_fingerprint
         self.target_name = target.name
         spec = target.spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -211,11 +211,11 @@ def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = Tru
 
     path = resolve_drafter_path(path)
     meta = read_drafter_config(path)
-    if check_fingerprint and meta.get("target_fingerprint") != target.fingerprint:
+    if check_fingerprint and meta.get("target_fingerprint") != target.weights_fingerprint:
         raise FingerprintMismatch(
             f"drafter {path} was trained for target {meta.get('target')!r} (fingerprint "
             f"{meta.get('target_fingerprint')}), but the loaded target is {target.name!r} "
-            f"(fingerprint {target.fingerprint})"
+            f"(fingerprint {target.weights_fingerprint})"
         )
     cls = drafter_classes()[meta["arch"]]
     drafter = cls(cls.config_class(**meta["config"]), target).to(device=target.device, dtype=target.dtype)
@@ -301,7 +301,9 @@ def bundle_fingerprint(target: Target, drafter: Drafter | None) -> str:
     """What an edge bundle and the server must share: `tokenizer=<hex>;target=<hex>;memory=<hex>`.
 
     `memory=none` when the server has no drafter; `protocol.fingerprint_diff` names the parts that differ.
+    `target` names the weights, not their quantisation: a bundle exported for the float target also serves its int8
+    version (the int8 K/V move the memory rows by about a percent; the acceptance it costs is in the README).
     """
     vocab = json.dumps(sorted(target.tokenizer.get_vocab().items()), separators=(",", ":")).encode()
     memory = drafter_fingerprint(drafter) if drafter is not None else "none"
-    return f"tokenizer={hashlib.sha256(vocab).hexdigest()[:16]};target={target.fingerprint};memory={memory}"
+    return f"tokenizer={hashlib.sha256(vocab).hexdigest()[:16]};target={target.weights_fingerprint};memory={memory}"

@@ -8,6 +8,7 @@ Face `generate`: prompt or chat messages, max_new_tokens, temperature, top_p, to
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol, runtime_checkable
@@ -15,11 +16,14 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from edge_client.budget import WIDTHS, Choice, Costs, Pacer, measure_draft
 from edge_client.drafting import DraftSession
 from edge_client.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
+
+log = logging.getLogger("moa.engine")
 
 
 class TorchDraftStep:
@@ -64,6 +68,7 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
     tree: str = ""
+    plain_rounds: int = 0  # rounds decoded plainly because speculation did not pay (tree auto)
 
     @property
     def tau(self) -> float:
@@ -121,6 +126,13 @@ class Proposer(Protocol):
 
 
 class SpeculativeEngine:
+    """Speculative (or vanilla) generation on one device.
+
+    With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
+    round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
+    target forward per token), tries a speculative round again now and then, and says when the verdict changes.
+    `predict_s` is what the cost model expects a generation to take."""
+
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding)."""
@@ -133,16 +145,65 @@ class SpeculativeEngine:
         self.drafter = None if self.proposer is not None else drafter
         self.step = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.candidates = candidates
-        if self.drafter is not None and self.drafter.target_fingerprint != target.fingerprint:
+        if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
+        self._costs: Costs | None = None
+        self._draft_s: dict[int, float] | None = None
+        self.choice: Choice | None = None  # the cost model's prediction for tree auto with a neural drafter
+        self.pacer: Pacer | None = None
         if tree == "auto" and drafter is not None:
             if self.proposer is not None:
                 tree = self.proposer.default_tree
+                # no acceptance record: start from an optimistic prior (every draft accepted) and let rounds tell
+                prior = self.round_s(tree, 1 + tree.depth, self.costs.contexts[0])
+                self.pacer = Pacer(Choice(tree, 1 + tree.depth, prior, self.costs.decode(self.costs.contexts[0])))
             else:
                 from models.costmodel import auto_tree
 
-                tree = auto_tree(self)
+                self.choice = auto_tree(self)
+                tree = self.choice.tree
+                self.pacer = Pacer(self.choice)
+        self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
+
+    @property
+    def costs(self) -> Costs:
+        """What rounds cost with this target and memory head on this machine (measured on first use)."""
+        if self._costs is None:
+            from models.costmodel import measure_costs
+
+            self._costs = measure_costs(self.target, self.step)
+        return self._costs
+
+    @property
+    def draft_s(self) -> dict[int, float]:
+        """Seconds of one draft step by frontier width (0 for a proposer, measured on first use for a drafter)."""
+        if self._draft_s is None:
+            self._draft_s = (measure_draft(self.step, self.drafter.row_width, self.target.spec.hidden_size)
+                             if self.step is not None else {w: 0.0 for w in WIDTHS})
+        return self._draft_s
+
+    def round_s(self, tree: TreeConfig, tau: float, context: float) -> float:
+        """Predicted seconds of one speculative round of `tree` gaining `tau` tokens at `context`."""
+        verify, draft = self.costs.verify(context), self.draft_s
+        sizes = sorted(verify)
+        frontier = float(np.interp(tree.topk, WIDTHS, [draft[w] for w in WIDTHS]))
+        return (draft[1] + (tree.depth - 1) * frontier + float(np.interp(1 + tree.total_tokens, sizes,
+                                                                           [verify[s] for s in sizes]))
+                + (tau - 1) * self.costs.row_s)
+
+    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Seconds the cost model predicts (from what it measured at start, not from what generations observed
+        since) for a generation: prefill, then rounds at the predicted tau, or plain decode steps where it
+        predicted speculation not to pay. None: no tau to predict with (prompt lookup has no acceptance record)."""
+        context = prompt_tokens + new_tokens / 2
+        prefill = prompt_tokens * self.costs.prefill_s
+        if self.tree is None or (self.choice is not None and not self.choice.pays):
+            return prefill + new_tokens * self.costs.decode(context)
+        if self.choice is None:
+            return None
+        prefill += prompt_tokens * self.costs.prompt_rows_s
+        return prefill + new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
 
     def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -172,21 +233,34 @@ class SpeculativeEngine:
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner()
-        step = runner.forward(ids)
+        step = runner.forward(ids, logits="last")
         stats.target_forwards += 1
         root = sample_token(step.logits[-1], sampling, g)
-        session = None
-        if self.step is not None:
-            session = DraftSession(self.step, self.candidates)
-            session.add_verified(ids, self.step.memory_rows(step, list(range(len(ids)))))
+        session = DraftSession(self.step, self.candidates) if self.step is not None else None
+        behind: list[tuple[list[int], TargetStep]] = [(ids, step)] if session else []  # verified, not yet in session
         out: list[int] = []
         printed = 0
         reason = None
         while reason is None:
-            if self.tree is None:
-                new, root = self._vanilla_round(runner, root, sampling, g, stats)
-            else:
+            t = time.perf_counter()
+            speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
+            if speculate:
+                if session is not None and behind:
+                    self._catch_up(session, behind)
                 new, root = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats)
+            else:
+                new, root, step = self._vanilla_round(runner, root, sampling, g, stats)
+                if session is not None:
+                    behind.append((new, step))
+                stats.plain_rounds += self.tree is not None
+            if self.pacer is not None:
+                self.pacer.observe(speculate, len(new), time.perf_counter() - t)
+                if self.pacer.pays != self._said:
+                    self._said = self.pacer.pays
+                    spec, base = self.pacer.rates()
+                    log.warning("tree auto: speculation %s (observed %.1f tokens/s vs %.1f decoding plainly): %s",
+                                "pays again" if self.pacer.pays else "does not pay", spec, base,
+                                "speculating" if self.pacer.pays else "decoding plainly, trying again now and then")
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:
@@ -199,12 +273,22 @@ class SpeculativeEngine:
             stats.drafter_calls = session.stats.drafter_calls
         return GenerationResult(self.target.tokenizer.decode(out, skip_special_tokens=True), out, stats, reason)
 
-    def _vanilla_round(self, runner: TargetRunner, root: int, sampling, g, stats) -> tuple[list[int], int]:
+    def _vanilla_round(self, runner: TargetRunner, root: int, sampling, g, stats) -> tuple[list[int], int, TargetStep]:
         t = time.perf_counter()
         step = runner.forward([root])
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
-        return [root], sample_token(step.logits[-1], sampling, g)
+        return [root], sample_token(step.logits[-1], sampling, g), step
+
+    def _catch_up(self, session: DraftSession, behind: list[tuple[list[int], TargetStep]]) -> None:
+        """Give the drafter's session the tokens verified without it (the prompt, plainly decoded ones) and their
+        memory rows, computed in one call."""
+        tokens = [t for chunk, _ in behind for t in chunk]
+        step = TargetStep(None, torch.cat([s.hidden for _, s in behind]), torch.cat([s.keys for _, s in behind], 1),
+                          torch.cat([s.values for _, s in behind], 1))
+        base = len(session.tokens)
+        session.add_verified(tokens, self.step.memory_rows(step, list(range(base, base + len(tokens)))))
+        behind.clear()
 
     def _speculative_round(self, runner, session: DraftSession | None, context: list[int], root: int, sampling, g,
                            rng, stats):

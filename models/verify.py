@@ -5,12 +5,14 @@ longest path whose every node is the target's argmax at its parent; the argmax a
 root. Sampling: multi-draft rejection sampling down the tree with the drafter's q (children were drawn without
 replacement from q): try children in order, accept x with probability min(1, p(x)/q(x)); on rejection
 p <- norm(max(p - q, 0)) and x leaves q; if no child is accepted, the next token is drawn from what is left of p.
-Afterwards the target cache keeps only the accepted path.
+Either walk reads the target's logits only at the root and the nodes it accepts, so the LM head runs on those rows
+alone. Afterwards the target cache keeps only the accepted path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -67,11 +69,13 @@ def tree_mask_and_positions(tree: DraftTree, base: int, dtype, device) -> tuple[
     return mask, positions
 
 
-def accept_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int]:
-    best = logits.argmax(-1).tolist()  # per row: row 0 = root, row i+1 = node i
+RowLogits = Callable[[int], torch.Tensor]  # row (0 = root, i+1 = node i) -> that row's logits (V,)
+
+
+def accept_greedy(logits: RowLogits, tree: DraftTree) -> tuple[list[int], int]:
     node, path = -1, []
     while True:
-        nxt = best[node + 1]
+        nxt = int(logits(node + 1).argmax())
         child = next((c for c in tree.children(node) if int(tree.tokens[c]) == nxt), None)
         if child is None:
             return path, nxt
@@ -79,13 +83,12 @@ def accept_greedy(logits: torch.Tensor, tree: DraftTree) -> tuple[list[int], int
         node = child
 
 
-def accept_sampling(logits: torch.Tensor, tree: DraftTree, s: Sampling, g: torch.Generator,
+def accept_sampling(logits: RowLogits, tree: DraftTree, s: Sampling, g: torch.Generator,
                     residual: str = "max(p-q,0)") -> tuple[list[int], int]:
     """Multi-draft rejection sampling. `residual` exists only so that a test can prove a broken one fails."""
-    p_all = target_probs(logits, s)
     node, path = -1, []
     while True:
-        p = p_all[node + 1].clone()
+        p = target_probs(logits(node + 1), s)
         q = torch.zeros_like(p)
         q.index_add_(0, torch.from_numpy(tree.q_ids[node + 1]).to(p.device),
                      torch.from_numpy(tree.q_probs[node + 1]).to(p))
@@ -114,14 +117,23 @@ def verify_tree(runner: TargetRunner, root: int, tree: DraftTree, sampling: Samp
     base = runner.length
     mask, positions = tree_mask_and_positions(tree, base, runner.target.dtype, runner.target.device)
     tokens = [root] + tree.tokens.tolist()
-    step = runner.forward(tokens, positions, mask)
+    step = runner.forward(tokens, positions, mask, logits="none")
+    head = runner.target.lm_head
+    computed: dict[int, torch.Tensor] = {}
+
+    def logits(row: int) -> torch.Tensor:
+        if row not in computed:
+            computed[row] = head(step.hidden[row : row + 1])[0]
+        return computed[row]
+
     if sampling.greedy:
-        path, nxt = accept_greedy(step.logits, tree)
+        path, nxt = accept_greedy(logits, tree)
     else:
-        path, nxt = accept_sampling(step.logits, tree, sampling, generator)
+        path, nxt = accept_sampling(logits, tree, sampling, generator)
     rows = [0] + [i + 1 for i in path]
     runner.keep_path(len(tokens), rows)
-    kept = TargetStep(step.logits[rows], step.hidden[rows], step.keys[:, rows], step.values[:, rows])
+    kept = TargetStep(torch.stack([logits(r) for r in rows]), step.hidden[rows], step.keys[:, rows],
+                      step.values[:, rows])
     return Verified(path, [int(tree.tokens[i]) for i in path], nxt, kept)
 
 

@@ -28,14 +28,17 @@ def load_model(config: ServerConfig) -> Model:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    target = load_target(config.target, dtype=config.resolved_dtype, device=config.resolved_device)
+    target = load_target(config.target, dtype=config.resolved_dtype, device=config.resolved_device,
+                         quantize=config.quantize)
     drafter = None if config.drafter == "none" else load_drafter(config.drafter, target)
-    log.info("target %s (%s, %s), drafter %s", target.name, config.resolved_device, config.resolved_dtype,
+    log.info("target %s (%s, %s), drafter %s", target.label, config.resolved_device, config.resolved_dtype,
              config.drafter)
     model = Model(target, drafter, config.limits, config.tree)
-    if model.verify_s:
-        log.info("verify time by tree size (sent to edges for tree auto): %s",
-                 ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in model.verify_s.items() if n in (1, 5, 9, 17, 33, 65)))
+    if model.costs:
+        c = model.costs
+        log.info("verify round by tree size at context %d (sent to edges for tree auto): %s; decode step %.1f ms",
+                 c.contexts[0], ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in c.verify_s[0].items()
+                                          if n in (1, 5, 9, 17, 33, 65)), c.decode_s[0] * 1e3)
     return model
 
 

@@ -104,7 +104,7 @@ class App:
             async with serve(self.handle, host, port, process_request=self.process_request, ssl=ssl_context,
                              max_size=self.limits.max_message_bytes, compression=None) as server:
                 bound = server.sockets[0].getsockname()
-                log.info("serving %s on %s://%s:%s (fingerprint %s)", self.model.target.name,
+                log.info("serving %s on %s://%s:%s (fingerprint %s)", self.model.target.label,
                          "wss" if ssl_context else "ws", bound[0], bound[1], self.model.fingerprint)
                 yield server
         finally:
@@ -157,7 +157,7 @@ class App:
         return response
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "target": self.model.target.name, "fingerprint": self.model.fingerprint,
+        return {"status": "ok", "target": self.model.target.label, "fingerprint": self.model.fingerprint,
                 "sessions": len(self.sessions), "connections": self.connections, "queue": self.lane.depth}
 
     def metrics_text(self) -> str:
@@ -306,10 +306,10 @@ class App:
         self.session(conn, s.id)
         log.info("session %s opened by %s (%s)", s.id, owner, f["client"])
         await self.send(conn, P.encode(P.WELCOME, {
-            "session_id": s.id, "limits": self.limits.public(), "target": self.model.target.name,
+            "session_id": s.id, "limits": self.limits.public(), "target": self.model.target.label,
             "fingerprint": self.model.fingerprint, "vocab_size": self.model.vocab_size,
             "row_width": self.model.row_width, "row_dtype": s.row_dtype,
-            "verify_ms": {str(n): round(t * 1e3, 3) for n, t in self.model.verify_s.items()} or None}))
+            "costs": self.model.costs.to_wire() if self.model.costs else None}))
 
     def _held(self, owner: str) -> int:
         """Sessions held by these credentials (on an open server every client is one owner: no quota)."""

@@ -12,6 +12,7 @@ from server.auth import TOKENS_ENV, load_tokens
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZE = ("none", "int8")  # models.target.QUANTIZE, without importing torch before --help
 
 EPILOG = f"""\
 endpoints (one port):
@@ -63,6 +64,7 @@ class ServerConfig:
     port: int = 8765
     device: str = "auto"
     dtype: str = "auto"
+    quantize: str = "none"  # none | int8 (models.target.load_target)
     threads: int | None = None
     tokens: tuple[str, ...] = ()
     certfile: str | None = None
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", choices=DEVICES, default=d.device, help="default: %(default)s (cuda when present)")
     m.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="weights dtype; auto = float32 on CPU, float16 on "
                    "CUDA (default: %(default)s)")
+    m.add_argument("--quantize", choices=QUANTIZE, default=d.quantize, help="target Linear layers: none (as loaded) or "
+                   "int8 (int8 weights and activations, CPU: about 2x faster, but it changes the model's greedy text; "
+                   "see the README) (default: %(default)s)")
     m.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
     n = p.add_argument_group("network and security")
     n.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
@@ -161,8 +166,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
     try:
         tokens = load_tokens(a.tokens_file)
-        config = ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.threads, tokens,
-                              a.certfile, a.keyfile, log_level=a.log_level, limits=Limits(
+        config = ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.quantize, a.threads,
+                              tokens, a.certfile, a.keyfile, log_level=a.log_level, limits=Limits(
                                   a.max_sessions, a.max_context, a.max_tree_tokens, a.max_message_bytes,
                                   a.idle_timeout, a.max_sessions_per_token, a.hello_timeout, a.prefill_chunk))
         config.ssl_context()

@@ -21,7 +21,7 @@ import torch
 from edge_client import protocol as P
 from edge_client.budget import MAX_TREE
 from edge_client.tree import DraftTree
-from models.costmodel import measure_target
+from models.costmodel import measure_costs
 from models.drafter import Drafter, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
@@ -59,17 +59,20 @@ def no_pause() -> None:
     """A `pause` that lets nothing else run."""
 
 
-def forward_chunked(runner: TargetRunner, tokens: list[int], chunk: int, pause: Callable[[], None]) -> TargetStep:
-    """The target over `tokens` appended to the runner's cache, `chunk` tokens per forward, `pause()` between."""
+def forward_chunked(runner: TargetRunner, tokens: list[int], chunk: int, pause: Callable[[], None],
+                    logits: str = "all") -> TargetStep:
+    """The target over `tokens` appended to the runner's cache, `chunk` tokens per forward, `pause()` between.
+    `logits`: "all" rows or the "last" one only (a prefill)."""
     steps = []
     for i in range(0, len(tokens), chunk):
         if i:
             pause()
-        steps.append(runner.forward(tokens[i:i + chunk]))
+        steps.append(runner.forward(tokens[i:i + chunk], logits=logits))
     if len(steps) == 1:
         return steps[0]
-    return TargetStep(*(torch.cat([getattr(s, name) for s in steps], dim) for name, dim in
-                        (("logits", 0), ("hidden", 0), ("keys", 1), ("values", 1))))
+    head = torch.cat([s.logits for s in steps]) if logits == "all" else steps[-1].logits
+    return TargetStep(head, *(torch.cat([getattr(s, name) for s in steps], dim) for name, dim in
+                              (("hidden", 0), ("keys", 1), ("values", 1))))
 
 
 class Model:
@@ -82,8 +85,8 @@ class Model:
         self.limits = limits
         self.tree = tree  # server-side drafting budget for `generate` with drafter=server
         self.fingerprint = bundle_fingerprint(target, drafter)
-        # the target's forward time by tree size, for the edges' tree auto (welcome.verify_ms)
-        self.verify_s = measure_target(target, limit=min(MAX_TREE, limits.max_tree_tokens)) if drafter else {}
+        # what rounds cost here, for the edges' tree auto and pacing (welcome.costs)
+        self.costs = measure_costs(target, self.memory_head, min(MAX_TREE, limits.max_tree_tokens)) if drafter else None
         self.metrics = Metrics()
         self._engines: dict[str, SpeculativeEngine] = {}
 
@@ -211,7 +214,7 @@ class Session:
         self._check_context(len(tokens))
         t = time.perf_counter()
         runner = self.model.target.new_runner()
-        step = forward_chunked(runner, tokens, self.model.limits.prefill_chunk, pause)
+        step = forward_chunked(runner, tokens, self.model.limits.prefill_chunk, pause, logits="last")
         next_token = sample_token(step.logits[-1], sampling, self.generator)
         target_s = time.perf_counter() - t
         t = time.perf_counter()

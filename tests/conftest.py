@@ -20,6 +20,17 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def real_target_dir():
+    """The cached copy of the real default target, converted from the wheel's GGUF first if this machine has none
+    yet (once: later sessions find it), so that no test depends on another having loaded it before."""
+    from pathlib import Path
+
+    from models.target import resolve_target_path
+
+    return Path(resolve_target_path("default"))
+
+
+@pytest.fixture(scope="session")
 def real_target():
     """The real default target (SmolLM2-135M-Instruct), loaded once per test session."""
     from models.target import load_target

@@ -54,12 +54,19 @@ def test_turns_run_as_one_chat():
             stats = GenerationStats(new_tokens=2, target_forwards=2, acceptance_lengths=[2], total_s=0.5)
             return GenerationResult(f"answer {len(self.seen)}", [5, 6], stats, "eos")
 
+        def encode(self, messages):
+            return [1] * len(messages)
+
+        def predict_s(self, prompt_tokens, new_tokens):  # the cost model's prediction: 0.1 s a token
+            return 0.1 * (prompt_tokens + new_tokens)
+
     engine = Recorder()
     run = run_chat(engine_turn(engine, seed=0, max_new_tokens=4), "vanilla", Prompt("1", "c", ["first", "second"]))
     assert engine.seen[1] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "answer 1"},
                               {"role": "user", "content": "second"}]
     assert run.texts == ["answer 1", "answer 2"] and run.token_ids == [[5, 6], [5, 6]]
     assert run.totals["new_tokens"] == 4 and run.totals["rounds"] == 2 and run.totals["gained"] == 4
+    assert run.totals["predicted_s"] == pytest.approx(0.1 * (1 + 2 + 3 + 2))
 
 
 @pytest.mark.parametrize("row, problem", [

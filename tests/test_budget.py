@@ -1,5 +1,9 @@
 """Tree auto's cost model (edge_client/budget.py): the budget follows the measured costs."""
 
+import json
+
+import pytest
+
 from edge_client.budget import WIDTHS, agreement_table, choose, expected_tau, tree_sizes
 
 AGREEMENT = agreement_table({"1": [0.6] * 6, "2": [0.7] * 6, "4": [0.8] * 6, "8": [0.85] * 6})
@@ -34,3 +38,33 @@ def test_single_device_tree_auto_measures_and_picks(tiny, capsys):
     tree = SpeculativeEngine(tiny, build_drafter("moa", tiny), tree="auto").tree
     assert tree.total_tokens == tree.depth * tree.topk and 1 + tree.total_tokens in tree_sizes()
     assert f"tree auto: depth={tree.depth} topk={tree.topk}" in capsys.readouterr().out
+
+
+def test_pacer_follows_what_it_observes():
+    """Predicted to pay; observed rounds that lose switch to the baseline; probes bring speculation back once the
+    rounds pay again."""
+    from edge_client.budget import Pacer
+
+    choice = choose(AGREEMENT, DRAFT, {n: 0.010 for n in tree_sizes()})
+    pacer = Pacer(choice, probe_after=8)
+    assert choice.pays and pacer.pays and pacer.speculate()
+    for _ in range(5):  # 1.2 tokens per 30 ms against 10 ms per baseline token
+        pacer.observe(True, 1, 0.030)
+    assert not pacer.pays and not pacer.speculate()
+    for _ in range(7):
+        pacer.observe(False, 1, 0.010)
+    assert not pacer.speculate()
+    pacer.observe(False, 1, 0.010)
+    assert pacer.speculate() and not pacer.pays  # a probe
+    for _ in range(5):  # the machine changed: rounds pay now
+        pacer.observe(True, 4, 0.012)
+    assert pacer.pays and pacer.speculate()
+
+
+def test_costs_travel_and_interpolate():
+    from edge_client.budget import Costs
+
+    costs = Costs([100, 500], [{1: 0.01, 9: 0.02}, {1: 0.03, 9: 0.06}], [0.009, 0.027], 0.001, 0.002, 0.0005)
+    back = Costs.from_wire(json.loads(json.dumps(costs.to_wire())))
+    assert back == costs
+    assert back.verify(300) == pytest.approx({1: 0.02, 9: 0.04}) and back.decode(300) == pytest.approx(0.018)

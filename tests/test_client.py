@@ -144,9 +144,25 @@ def test_session_streams_the_api_text(env, api, reference, row_dtype):
 
 def test_tree_auto_weighs_server_and_edge_costs(env, reference):
     with session(env, tree="auto") as s:
-        assert "server verify of 1 token" in s.tree_note and "round trip" in s.tree_note, s.tree_note
+        assert "server verify round of 1 token" in s.tree_note and "round trip" in s.tree_note, s.tree_note
         assert s.tree.total_tokens < s._link.welcome["limits"]["max_tree_tokens"]
         assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
+        assert s.predict_s(len(s.encode(PROMPT)), NEW) > 0
+
+
+def test_edge_lets_the_server_generate_while_speculation_does_not_pay(env, reference, caplog):
+    with session(env, tree="auto") as s, caplog.at_level(logging.INFO, logger="moa.edge"):
+        for _ in range(10):  # rounds that made one token a second: far slower than the server alone
+            s.pacer.observe(True, 1, 1.0)
+        for _ in range(2):
+            assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
+            assert s.stats.mode == "api" and s.stats.server_calls == 1
+        assert sum("does not pay" in r.getMessage() for r in caplog.records) <= 1  # said once (if not at connect)
+        for _ in range(30):  # and now rounds that pay
+            s.pacer.observe(True, 8, 1e-5)
+        assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
+        assert s.stats.mode == "speculative" and s.stats.verify_calls > 0
+        assert any("pays again" in r.getMessage() for r in caplog.records)
 
 
 def test_async_session(env, reference):

@@ -18,7 +18,7 @@ from edge_client.tree import TreeConfig
 from export.to_onnx import ExportError, export_bundle
 from models.drafter import build_drafter, load_drafter
 from models.engine import TorchDraftStep
-from models.target import cache_dir, load_target
+from models.target import load_target
 from models.verify import verify_tree
 from tests.test_edge_import import run_blocked
 
@@ -235,12 +235,10 @@ def test_cli_help(capsys):
 
 
 # ---- chat templates --------------------------------------------------------------------------------------------
-def test_chat_template_matches_transformers_smollm2():
-    directory = cache_dir() / "smollm2-135m-instruct"
-    if not (directory / "tokenizer.json").exists():
-        pytest.skip("the default target has not been converted yet")
+def test_chat_template_matches_transformers_smollm2(real_target_dir):
     from transformers import AutoTokenizer
 
+    directory = real_target_dir
     hf = AutoTokenizer.from_pretrained(directory)
     tok = ChatTokenizer(directory / "tokenizer.json", ChatTemplate(hf.chat_template, hf.special_tokens_map),
                         [hf.eos_token_id])
