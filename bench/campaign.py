@@ -24,14 +24,11 @@ def run_curve(run: Path) -> dict:
         record = json.loads((resolve_drafter_path(cfg["init"]) / "config.json").read_text()).get("training") or {}
         prior = {"tokens": record.get("tokens_seen", 0), "wall_s": record.get("wall_time_s", 0.0)}
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    by_step = {r["step"]: r for r in rows if "loss" in r}
-    points = []
-    for r in rows:
-        if "eval" in r and r["step"] in by_step:
-            t = by_step[r["step"]]
-            points.append({"step": r["step"], "tokens": prior["tokens"] + t["tokens"],
-                           "wall_s": prior["wall_s"] + t["wall_s"], "expected_tau": r["eval"]["expected_tau"],
-                           "depth_agreement": r["eval"]["depth_agreement"]})
+    by_step = {r["step"]: r for r in rows if "loss" in r}  # a resumed run repeats steps: the last one counts
+    evals = {r["step"]: r["eval"] for r in rows if "eval" in r and r["step"] in by_step}
+    points = [{"step": step, "tokens": prior["tokens"] + by_step[step]["tokens"],
+               "wall_s": prior["wall_s"] + by_step[step]["wall_s"], "expected_tau": ev["expected_tau"],
+               "depth_agreement": ev["depth_agreement"]} for step, ev in sorted(evals.items())]
     final = None
     record_file = run / "drafter" / "training_record.json"
     if record_file.exists():

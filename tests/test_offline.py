@@ -65,9 +65,11 @@ def offline_tokens(tiny, drafter, guard: OfflineGuard | None, n: int = 40,
     return context + [root], tokens
 
 
-@pytest.mark.parametrize("arch", ["moa", "eagle"])
-def test_guard_stops_a_real_loop(tiny, arch):
-    drafter = build_drafter(arch, tiny).eval()
+def test_guard_stops_a_real_loop(tiny):
+    """An untrained MoA drafter loops offline (seeded: it does for every seed tried; an untrained EAGLE drafter
+    loops for some seeds only); the guard's rules act on the logits, the same for both architectures."""
+    torch.manual_seed(0)
+    drafter = build_drafter("moa", tiny).eval()
     before, plain = offline_tokens(tiny, drafter, None)
     assert repeated_ngrams(plain) > 0.5  # the untrained drafter loops
     n = 3
