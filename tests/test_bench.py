@@ -2,6 +2,7 @@
 (The client-server benchmark runs against a real server in test_client.py.)"""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,9 +10,12 @@ from bench.__main__ import main
 from bench.prompts import Prompt, PromptsError, builtin_prompts, humaneval_prompts, read_prompts
 from bench.runs import run_chat
 from bench.single import METHODS, engine_turn
+from models.data import iter_source
 from models.defaults import resolve_drafter_path
 from models.engine import GenerationResult, GenerationStats
 from tests.helpers import train_tiny
+
+DATASETS = Path(__file__).resolve().parents[1] / "datasets"
 
 FIGURES = {"tau", "tokens_per_s", "tokens_per_s_median", "speedup", "target_forwards_per_token",
            "outputs_match_vanilla"}
@@ -38,10 +42,13 @@ def test_spec_bench_multi_turn_parsing(two_prompts, tmp_path):
     no_category = write_jsonl(tmp_path / "c.jsonl", [{"question_id": 7, "turns": ["hi"]}])
     assert read_prompts(no_category)[0].category == "default"
     code = humaneval_prompts()
-    assert len(code) == 164 and code[0].category == "code" and "def has_close_elements" in code[0].turns[0]
+    assert len(code) == 82 and code[0].category == "code" and "def has_close_elements" in code[0].turns[0]
     heldout = builtin_prompts("sharegpt")  # shipped: the split the default drafters never saw
     record = json.loads((resolve_drafter_path("moa") / "training_record.json").read_text())
-    assert len(heldout) == record["data"]["heldout_ids"] and all(p.category == "sharegpt" for p in heldout)
+    assert len(heldout) == record["legs"][0]["data"]["heldout_ids"] and all(p.category == "sharegpt" for p in heldout)
+    # the shipped training data holds none of the benchmark's prompts
+    trained = {str(row["id"]) for row in iter_source(str(DATASETS / "smollm2-onpolicy.jsonl.gz"))}
+    assert trained and not trained & {p.question_id.removeprefix("onpolicy-") for p in heldout + code}
 
 
 def test_turns_run_as_one_chat():
