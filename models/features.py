@@ -157,8 +157,15 @@ class FeatureCache:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from models.train import TrainConfig, prepare_data  # models.train imports this module
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="data directory with train.jsonl (models.train builds it)")
+    p.add_argument("--data", required=True, help="data directory with train.jsonl; built from --source when missing, "
+                   "with the same split models.train makes")
+    p.add_argument("--source", default="sharegpt", help="as models.train --source (when --data is missing)")
+    p.add_argument("--heldout-source", default="", help="as models.train --heldout-source (when --data is missing)")
+    p.add_argument("--max-len", type=int, default=TrainConfig.max_len, help="as models.train --max-len")
+    p.add_argument("--n-heldout", type=int, default=TrainConfig.n_heldout, help="as models.train --n-heldout")
     p.add_argument("--out", default=None, help="cache directory (default: DATA/features)")
     p.add_argument("--target", default="default", help="target alias, HF id or path")
     p.add_argument("--topk", type=int, default=32, help="next-token candidates kept per position for the CE term")
@@ -171,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target)
+    prepare_data(TrainConfig(data=args.data, source=args.source, heldout_source=args.heldout_source,
+                             max_len=args.max_len, n_heldout=args.n_heldout), target.tokenizer)
     samples = load_encoded(Path(args.data) / "train.jsonl")
     out = Path(args.out or Path(args.data) / "features")
     index = build_cache(target, samples, out, args.topk, not args.no_kv, args.precision, args.tokens_per_batch)

@@ -11,7 +11,7 @@ import torch
 
 from models.data import token_frequencies
 from models.drafter import build_drafter, load_drafter
-from models.features import FeatureCache, build_cache
+from models.features import FeatureCache, build_cache, main as features_main
 from models.regenerate import greedy_batch
 from models.train import TrainConfig, collate, main as train_main, train_step_loss
 from tests.helpers import greedy_continuations
@@ -102,7 +102,8 @@ def test_batched_regeneration_equals_one_at_a_time(tiny):
 
 
 def test_training_legs_accumulate(tiny, tmp_path, samples):
-    """A run continued with --init adds a leg to the drafter's training record; --steps 0 applies a draft vocab."""
+    """The feature CLI builds the data split and its cache; a run continued with --init adds a leg to the drafter's
+    training record; --steps 0 applies a draft vocab."""
     rows = [{"id": s.id, "conversations": [{"role": "user", "content": tiny.tokenizer.decode(s.ids[:6])},
                                            {"role": "assistant", "content": tiny.tokenizer.decode(s.ids[6:])}]}
             for s in greedy_continuations(tiny, 12, new=30, seed=5)]
@@ -111,6 +112,9 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     common = ["--target", "tiny", "--data", str(tmp_path / "data"), "--source", str(source), "--n-heldout", "2",
               "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1", "--final-eval-samples", "1",
               "--precision", "fp32"]
+    features_main(["--target", "tiny", "--data", str(tmp_path / "data"), "--source", str(source), "--n-heldout", "2",
+                   "--precision", "fp32", "--topk", "8"])  # builds the split as models.train would, then the cache
+    common += ["--features", str(tmp_path / "data" / "features")]
     train_main(["--arch", "moa", "--out", str(tmp_path / "a"), "--steps", "3", *common])
     train_main(["--arch", "moa", "--out", str(tmp_path / "b"), "--steps", "2", "--init", str(tmp_path / "a/drafter"),
                 *common])
