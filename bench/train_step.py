@@ -21,7 +21,7 @@ import torch
 from models.data import Encoded
 from models.drafter import load_drafter, trainable_parameters
 from models.features import FeatureCache, build_cache
-from models.target import autocast, load_target
+from models.target import load_target
 from models.train import TrainConfig, collate, train_step_loss
 
 PHASES = ("target", "drafter+loss", "backward")
@@ -33,9 +33,7 @@ def time_step(drafter, target, batch, cfg: TrainConfig, cache: FeatureCache | No
     if cache is not None:
         full = cache.step(list(range(len(batch))), ids.shape[1])
     else:
-        pad = torch.ones_like(ids)
-        with torch.no_grad(), autocast(cfg.precision, "cpu", target.dtype):
-            full = target.full_forward(ids, attention_mask=pad)
+        full = target.full_forward(ids, attention_mask=torch.ones_like(ids), precision=cfg.precision)
     t1 = time.perf_counter()
     (loss, _), tokens = train_step_loss(drafter, target, ids, resp, lens, cfg, step, 0.0, full)
     t2 = time.perf_counter()

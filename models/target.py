@@ -176,15 +176,17 @@ class Target:
         return list(out)
 
     @torch.no_grad()
-    def full_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetStep:
+    def full_forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     precision: str = "fp32") -> TargetStep:
         """A forward over whole sequences (B, T): hidden (B,T,H) and per-layer K/V (B,L,T,h_kv*d), no logits.
 
-        Used by training and evaluation, where the whole sequence is known.
+        Used by training and evaluation, where the whole sequence is known; `precision` as in `autocast`.
         """
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        out = self.model.model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+        with autocast(precision, ids.device, self.dtype):
+            out = self.model.model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True)
         hidden = out.last_hidden_state
         keys, values = _stack_cache(cache, 0, ids.shape[1])
         return TargetStep(logits=None, hidden=hidden, keys=keys, values=values)

@@ -166,8 +166,7 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     b, t = ids.shape
     pad = (torch.arange(t).view(1, t) < lengths.view(b, 1)).long()
     if full is None:
-        with torch.no_grad(), autocast(cfg.precision, ids.device, target.dtype):
-            full = target.full_forward(ids, attention_mask=pad)
+        full = target.full_forward(ids, attention_mask=pad, precision=cfg.precision)
     last = last_sync_points(resp, cfg.sync_min, cfg.sync_max, g)
     restrict = torch.rand(b, generator=g) < restrict_share
     dtype = torch.float32
