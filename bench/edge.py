@@ -12,7 +12,7 @@ and per category, beyond tokens/s, speedup (over api) and outputs_match_api (gre
 - network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
 - draft_share: the share of the time the edge spent drafting;
 - api_share: the share of a speculative method's generations the server made alone because speculation did not pay;
-- predicted_tokens_per_s: what the edge's cost model predicted at connect (edge_client.budget: the server's
+- predicted_tokens_per_s: what the edge's cost model predicted at connect (moa_core.budget: the server's
   measured costs, the edge's draft step, the round trip, the drafter's held-out acceptance), next to tokens_per_s;
   predicted_error = predicted / measured - 1.
 """

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from bench.prompts import Prompt
 from bench.runs import machine, now
-from edge_client.drafting import DraftSession, OfflineGuard
+from moa_core.drafting import DraftSession, OfflineGuard
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.lookup import find_continuation
 from models.target import Target

@@ -29,10 +29,10 @@ from typing import TextIO
 
 from edge_client.bundle import BundleError
 from edge_client.client import DEFAULT_SERVER, MODES, POLICIES, EdgeError, EdgeSession, LinkDown, Prompt, Result
-from edge_client.drafting import OfflineGuard
-from edge_client.protocol import ROW_DTYPES, sampling_problem
+from moa_core.drafting import OfflineGuard
+from moa_core.protocol import ROW_DTYPES, sampling_problem
 from edge_client.runtime import PROVIDER_ALIASES, choose_providers
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 
 DIM, RESET = "\033[2m", "\033[0m"
 REWIND_MARK = "⟲"

@@ -21,7 +21,7 @@ from typing import Iterable
 import numpy as np
 
 from edge_client.chat import ChatTemplate, ChatTokenizer
-from edge_client.protocol import PROTOCOL_VERSION
+from moa_core.protocol import PROTOCOL_VERSION
 
 BUNDLE_FILE = "bundle.json"
 GRAPH_FILE = "drafter.onnx"

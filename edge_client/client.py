@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import ssl
 import subprocess
@@ -34,18 +33,20 @@ import time
 from dataclasses import asdict, dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Union
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from edge_client import protocol as P
-from edge_client.budget import Choice, Costs, Pacer, agreement_table, choose, measure_draft
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
-from edge_client.drafting import DraftSession, OfflineGuard
 from edge_client.runtime import OrtDraftStep
-from edge_client.tree import TreeConfig
+from moa_core import protocol as P
+from moa_core.budget import Choice, Costs, Pacer, agreement_table, choose, measure_draft
+from moa_core.drafting import DraftSession, OfflineGuard
+from moa_core.generation import Prompt, StopRule, encode_prompt
+from moa_core.paths import cache_dir
+from moa_core.tree import TreeConfig
 
 log = logging.getLogger("moa.edge")
 
@@ -53,7 +54,6 @@ DEFAULT_SERVER = "ws://127.0.0.1:8765"
 MODES = ("speculative", "api", "offline")
 POLICIES = ("keep", "verify")
 CLIENT_NAME = "moa-edge"
-Prompt = Union[str, list[dict], list[int]]  # text (one user turn), chat messages, or token ids
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
@@ -145,11 +145,6 @@ class Stats:
 
 
 # ---- the default bundle ---------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """`MOA_CACHE`, default ~/.cache/moa-edge (where the server side caches the target too)."""
-    return Path(os.environ.get("MOA_CACHE", Path.home() / ".cache" / "moa-edge"))
-
-
 def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
     """The bundle of a shipped drafter (`moa`, the default, or `eagle`) in the cache, exported when missing or older
     than the drafter.
@@ -176,7 +171,7 @@ def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: L
              rtt: float) -> tuple[TreeConfig, str, Choice | None]:
     """The draft tree budget, why, and the cost model's prediction (tree auto with the server's costs only).
     `auto`: the budget with the most predicted tokens/s from the drafter's held-out agreement, this edge's draft
-    step time, the server's costs (welcome.costs) and the round trip `rtt` (edge_client/budget.py); without those,
+    step time, the server's costs (welcome.costs) and the round trip `rtt` (moa_core/budget.py); without those,
     the budget the exporter measured the bundle's acceptance with.
 
     Either way the tree is cut to the server's max_tree_tokens (root included)."""
@@ -439,11 +434,7 @@ class EdgeSession:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text is one user turn, dicts are chat messages (chat template), ints pass as is."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode_chat(prompt)
-        return [int(t) for t in prompt]
+        return encode_prompt(prompt, self.tokenizer.encode_chat)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, drop_after: int | None = None,
@@ -787,10 +778,8 @@ class EdgeSession:
     def _emit(self, max_new: int) -> Iterator[Chunk]:
         """The text change since the last chunk; sets `result` once generation has ended."""
         generated = self.tokens[len(self.prompt):]
-        out = generated[:max_new]
-        end = next((i + 1 for i, t in enumerate(out) if t in self.tokenizer.eos_token_ids), None)
-        out = out[:end]
-        done = end is not None or len(generated) >= max_new
+        out, reason = StopRule(self.tokenizer.eos_token_ids).cut(generated, max_new)
+        done = reason is not None
         text = self.tokenizer.decode(out)
         if not done:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next token
@@ -799,7 +788,7 @@ class EdgeSession:
             yield Chunk(text[keep:], rewind=len(self._shown) - keep, offline=self._link is None)
             self._shown = text
         if done:
-            self.result = Result(text, out, "eos" if end is not None else "length")
+            self.result = Result(text, out, reason)
 
     # ---- api mode ---------------------------------------------------------------------------------------------
     def _api(self, prompt: list[int], max_new: int) -> Iterator[Chunk]:

@@ -1,4 +1,4 @@
-"""The drafter on ONNX Runtime: `OrtDraftStep` is the edge's `DraftStep` (see edge_client.drafting).
+"""The drafter on ONNX Runtime: `OrtDraftStep` is the edge's `DraftStep` (see moa_core.drafting).
 
 Execution providers: "auto" takes CUDA when onnxruntime-gpu offers it, else the CPU; a list (or "cpu",
 "cuda", "tensorrt") asks for specific ones, each falling back to the next and finally to the CPU.

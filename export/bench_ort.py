@@ -20,7 +20,7 @@ from typing import Sequence
 
 import onnxruntime
 
-from edge_client.budget import draft_inputs, time_calls
+from moa_core.budget import draft_inputs, time_calls
 from edge_client.bundle import load_bundle
 from edge_client.runtime import OrtDraftStep
 from export.to_onnx import export_bundle

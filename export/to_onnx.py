@@ -42,9 +42,9 @@ from torch import nn
 
 from edge_client.bundle import (BUNDLE_FILE, FORMAT, FORMAT_VERSION, GRAPH_FILE, PAYLOAD_FILES, TEMPLATE_FILE,
                                 TOKENIZER_FILE, VOCAB_FILE, file_records, load_bundle)
-from edge_client.protocol import PROTOCOL_VERSION
+from moa_core.protocol import PROTOCOL_VERSION
 from edge_client.runtime import OUTPUTS, OrtDraftStep
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 from models.defaults import resolve_drafter_path
 from models.drafter import Drafter, FingerprintMismatch, bundle_fingerprint, load_drafter, read_drafter_config
 from models.engine import SpeculativeEngine, TorchDraftStep

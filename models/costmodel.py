@@ -1,12 +1,12 @@
-"""`--tree auto` on one device, and the server's costs for the edge's: the target side of edge_client/budget.py
+"""`--tree auto` on one device, and the server's costs for the edge's: the target side of moa_core/budget.py
 (which states the cost model)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from edge_client.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_verify, time_call
-from edge_client.tree import DraftTree
+from moa_core.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_verify, time_call
+from moa_core.tree import DraftTree
 from models.target import Target, TargetStep
 from models.verify import verify_tree
 

@@ -16,9 +16,10 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from edge_client.budget import WIDTHS, Choice, Costs, Pacer, measure_draft
-from edge_client.drafting import DraftSession
-from edge_client.tree import DraftTree, TreeConfig
+from moa_core.budget import WIDTHS, Choice, Costs, Pacer, measure_draft
+from moa_core.drafting import DraftSession
+from moa_core.generation import Prompt, StopRule, encode_prompt
+from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
@@ -88,31 +89,6 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
     finish_reason: str  # "eos" | "stop" | "length"
-
-
-class StopChecker:
-    """Finds EOS tokens and stop strings in the tokens produced so far."""
-
-    def __init__(self, target: Target, stop: list[str] | None):
-        self.tokenizer = target.tokenizer
-        self.eos = target.eos_token_ids
-        self.stop = stop or []
-
-    def cut(self, tokens: list[int], max_new: int) -> tuple[list[int], str | None]:
-        """Tokens to keep, and why generation ends (None: go on)."""
-        for i, t in enumerate(tokens[:max_new]):
-            if t in self.eos:
-                return tokens[: i + 1], "eos"
-        if self.stop:
-            text = self.tokenizer.decode(tokens[:max_new])
-            for s in self.stop:
-                if s in text:
-                    for i in range(1, len(tokens) + 1):  # the shortest prefix that contains the stop string
-                        if s in self.tokenizer.decode(tokens[:i]):
-                            return tokens[:i], "stop"
-        if len(tokens) >= max_new:
-            return tokens[:max_new], "length"
-        return tokens, None
 
 
 @runtime_checkable
@@ -205,17 +181,13 @@ class SpeculativeEngine:
         prefill += prompt_tokens * self.costs.prompt_rows_s
         return prefill + new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
 
-    def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.target.encode_chat([{"role": "user", "content": prompt}])
-        if prompt and isinstance(prompt[0], dict):
-            return self.target.encode_chat(prompt)
-        return list(prompt)
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(prompt, self.target.encode_chat)
 
     @torch.no_grad()
     def generate(
         self,
-        prompt: str | list[dict] | list[int],
+        prompt: Prompt,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -229,7 +201,7 @@ class SpeculativeEngine:
         g.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
         rng = np.random.default_rng(seed)
         stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
-        checker = StopChecker(self.target, stop)
+        checker = StopRule(self.target.eos_token_ids, self.target.tokenizer.decode, stop)
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from edge_client.budget import expected_tau
+from moa_core.budget import expected_tau
 from models.data import Encoded
 from models.drafter import Drafter
 from models.target import Target

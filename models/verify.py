@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from edge_client.tree import DraftTree, ancestor_matrix
+from moa_core.tree import DraftTree, ancestor_matrix
 from models.target import TargetRunner, TargetStep
 
 

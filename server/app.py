@@ -26,7 +26,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from edge_client import protocol as P
+from moa_core import protocol as P
 from server.auth import Credentials, bearer
 from server.session import Model, Session, sampling_of
 

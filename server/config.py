@@ -7,7 +7,7 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 from server.auth import TOKENS_ENV, load_tokens
 
 DEVICES = ("auto", "cuda", "cpu")

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from edge_client import protocol as P
-from edge_client.budget import MAX_TREE
-from edge_client.tree import DraftTree
+from moa_core import protocol as P
+from moa_core.budget import MAX_TREE
+from moa_core.tree import DraftTree
 from models.costmodel import measure_costs
 from models.drafter import Drafter, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 from websockets.sync.client import ClientConnection, connect
 
-from edge_client import protocol as P
-from edge_client.drafting import DraftSession, DraftStep
-from edge_client.tree import TreeConfig
+from moa_core import protocol as P
+from moa_core.drafting import DraftSession, DraftStep
+from moa_core.generation import StopRule
+from moa_core.tree import TreeConfig
 from server.app import App
 
 
@@ -124,12 +125,6 @@ class Client:
         return pieces, msg
 
 
-def cut(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """Generated tokens up to the first EOS (kept) and at most max_new_tokens, like the engine's stop rule."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:min(end, max_new_tokens)]
-
-
 @dataclass
 class SpeculativeClient:
     """The edge's loop: draft a tree with a `DraftSession`, verify it on the server, append what was accepted."""
@@ -207,7 +202,7 @@ class SpeculativeClient:
         """Verify rounds until max_new_tokens or EOS; the generated tokens."""
         while len(self.tokens) - prompt_len < max_new_tokens and not eos & set(self.tokens[prompt_len:]):
             self.round()
-        return cut(self.tokens[prompt_len:], max_new_tokens, eos)
+        return StopRule(eos).cut(self.tokens[prompt_len:], max_new_tokens)[0]
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
         self.prefill(prompt)

@@ -1,10 +1,10 @@
-"""Tree auto's cost model (edge_client/budget.py): the budget follows the measured costs."""
+"""Tree auto's cost model (moa_core/budget.py): the budget follows the measured costs."""
 
 import json
 
 import pytest
 
-from edge_client.budget import WIDTHS, agreement_table, choose, expected_tau, tree_sizes
+from moa_core.budget import WIDTHS, agreement_table, choose, expected_tau, tree_sizes
 
 AGREEMENT = agreement_table({"1": [0.6] * 6, "2": [0.7] * 6, "4": [0.8] * 6, "8": [0.85] * 6})
 DRAFT = {w: 0.001 for w in WIDTHS}
@@ -43,7 +43,7 @@ def test_single_device_tree_auto_measures_and_picks(tiny, capsys):
 def test_pacer_follows_what_it_observes():
     """Predicted to pay; observed rounds that lose switch to the baseline; probes bring speculation back once the
     rounds pay again."""
-    from edge_client.budget import Pacer
+    from moa_core.budget import Pacer
 
     choice = choose(AGREEMENT, DRAFT, {n: 0.010 for n in tree_sizes()})
     pacer = Pacer(choice, probe_after=8)
@@ -62,7 +62,7 @@ def test_pacer_follows_what_it_observes():
 
 
 def test_costs_travel_and_interpolate():
-    from edge_client.budget import Costs
+    from moa_core.budget import Costs
 
     costs = Costs([100, 500], [{1: 0.01, 9: 0.02}, {1: 0.03, 9: 0.06}], [0.009, 0.027], 0.001, 0.002, 0.0005)
     back = Costs.from_wire(json.loads(json.dumps(costs.to_wire())))

@@ -18,9 +18,9 @@ from typing import Iterable, Iterator
 import pytest
 import torch
 
-from edge_client import protocol as P
+from moa_core import protocol as P
 from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError, common_prefix
-from edge_client.drafting import OfflineGuard
+from moa_core.drafting import OfflineGuard
 from export.to_onnx import export_bundle
 from models.target import load_target
 from models.tiny import tiny_target

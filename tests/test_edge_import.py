@@ -1,5 +1,5 @@
-"""The edge package never imports torch or transformers (DESIGN.md §8): every edge_client module is imported in a
-subprocess where both raise ImportError. `run_blocked` is reusable for other edge-only checks."""
+"""The edge package and the core it shares never import torch or transformers (docs/design.md §8): every
+edge_client and moa_core module is imported in a subprocess where both raise ImportError. `run_blocked` is reusable for other edge-only checks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import edge_client
+import moa_core
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("torch", "transformers")
@@ -33,7 +34,8 @@ def run_blocked(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def edge_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.walk_packages(edge_client.__path__, "edge_client."))
+    packages = (edge_client, moa_core)
+    return sorted(m.name for pkg in packages for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."))
 
 
 def test_blocker_blocks():
@@ -43,7 +45,8 @@ def test_blocker_blocks():
 
 def test_every_edge_module_imports_without_torch():
     modules = edge_modules()
-    assert {"edge_client.bundle", "edge_client.runtime", "edge_client.chat", "edge_client.drafting"} <= set(modules)
+    assert {"edge_client.bundle", "edge_client.runtime", "edge_client.chat", "moa_core.drafting",
+            "moa_core.protocol", "moa_core.generation"} <= set(modules)
     code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules) + "print('ok')"
     out = run_blocked(code)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

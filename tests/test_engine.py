@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.drafting import DraftSession
-from edge_client.tree import TreeConfig, ancestor_matrix, build_tree
+from moa_core.drafting import DraftSession
+from moa_core.tree import TreeConfig, ancestor_matrix, build_tree
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.verify import Sampling, target_probs, tree_mask_and_positions, verify_tree
 from tests.helpers import greedy_continuations, train_tiny
@@ -21,7 +21,7 @@ def drafters(tiny):
 
 
 def test_tree_mask_sees_exactly_the_ancestors():
-    from edge_client.tree import DraftTree
+    from moa_core.tree import DraftTree
 
     parents = np.array([-1, -1, 0, 0, 2, 1])
     depths = np.array([1, 1, 2, 2, 3, 2])
@@ -44,7 +44,7 @@ def test_tree_budget_is_a_subtree():
 
     def expand(nodes, tokens, parents, depths):
         logits = rng.normal(size=(len(nodes), 10)).astype(np.float32) * 3
-        from edge_client.tree import topk_logprobs
+        from moa_core.tree import topk_logprobs
         return topk_logprobs(logits, 6)
 
     for cfg in [TreeConfig(5, 1, 5), TreeConfig(4, 3, 9), TreeConfig(6, 4, 20)]:

@@ -12,9 +12,9 @@ import pytest
 
 from edge_client.bundle import BUNDLE_FILE, GRAPH_FILE, TOKENIZER_FILE, BundleError, load_bundle
 from edge_client.chat import ChatTemplate, ChatTokenizer
-from edge_client.drafting import DraftSession
+from moa_core.drafting import DraftSession
 from edge_client.runtime import OrtDraftStep, choose_providers
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 from export.to_onnx import ExportError, export_bundle
 from models.drafter import build_drafter, load_drafter
 from models.engine import TorchDraftStep
@@ -169,9 +169,9 @@ def test_edge_runs_bundle_without_torch(exported):
     code = f"""
 import numpy as np
 from edge_client.bundle import load_bundle
-from edge_client.drafting import DraftSession
+from moa_core.drafting import DraftSession
 from edge_client.runtime import OrtDraftStep
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 bundle = load_bundle({str(bundle_dir)!r})
 ids = bundle.chat_tokenizer().encode_chat([{{"role": "user", "content": "hi"}}])
 session = DraftSession(OrtDraftStep(bundle))

@@ -5,7 +5,7 @@ from collections import Counter
 
 import torch
 
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 from models.engine import SpeculativeEngine
 from models.lookup import PromptLookup, chain_tree, find_continuation
 from models.verify import Sampling, target_probs, verify_tree

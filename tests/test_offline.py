@@ -12,7 +12,7 @@ import torch
 
 from bench.__main__ import main
 from bench.offline import Continuer, newline_run, repeated_ngrams, score
-from edge_client.drafting import OfflineGuard
+from moa_core.drafting import OfflineGuard
 from models.drafter import build_drafter
 from tests.helpers import train_tiny
 

@@ -1,16 +1,14 @@
 """Wire codec: round trips, every malformed-frame case, schema validation, memory rows, no torch import."""
 
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edge_client import protocol as P
+from moa_core import protocol as P
+from tests.test_edge_import import run_blocked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,31 +232,13 @@ def test_docs_mention_every_type_field_and_error_code():
     assert not {n for n in names if f"`{n}`" not in doc and f"`{n}?`" not in doc}
 
 
-BLOCKER = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError("blocked: " + name)
-sys.meta_path.insert(0, Block())
-try:
-    import torch
-except ImportError:
-    pass
-else:
-    raise SystemExit("blocker failed")
+def test_protocol_needs_only_numpy():
+    out = run_blocked("""
 before = set(sys.modules)
-import edge_client.protocol as P
+import moa_core.protocol as P
 P.decode(P.encode(P.PING, {"t": 1.0}))
 new = {m.split(".")[0] for m in set(sys.modules) - before}
-extra = new - set(sys.stdlib_module_names) - {"numpy", "edge_client"}
-assert not extra, extra
+assert not new - set(sys.stdlib_module_names) - {"numpy", "moa_core"}, new
 print("ok")
-"""
-
-
-def test_import_without_torch():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+""")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

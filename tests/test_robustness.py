@@ -27,8 +27,8 @@ import pytest
 import torch
 from websockets.exceptions import ConnectionClosed
 
-from edge_client import protocol as P
-from edge_client.tree import TreeConfig
+from moa_core import protocol as P
+from moa_core.tree import TreeConfig
 from models.drafter import build_drafter, load_drafter
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import load_target

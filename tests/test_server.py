@@ -16,8 +16,8 @@ import pytest
 import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from edge_client import protocol as P
-from edge_client.tree import TreeConfig
+from moa_core import protocol as P
+from moa_core.tree import TreeConfig
 from models.engine import SpeculativeEngine, TorchDraftStep
 from server.app import App
 from server.auth import Credentials, bearer, load_tokens
@@ -95,7 +95,7 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 # ---- tree codec ---------------------------------------------------------------------------------------------
 def test_tree_codec_round_trip_and_checks():
-    from edge_client.tree import DraftTree
+    from moa_core.tree import DraftTree
 
     tree = DraftTree(np.array([4, 5, 6]), np.array([-1, 0, -1]), np.array([1, 2, 1]),
                      np.arange(8).reshape(4, 2), np.full((4, 2), 0.5, np.float32))

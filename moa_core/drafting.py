@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_client.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
+from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
 
 NEG_INF = np.float32(-np.inf)
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from edge_client.tree import TreeConfig
+from moa_core.tree import TreeConfig
 
 DEPTHS = range(1, 9)
 WIDTHS = (1, 2, 4, 8)

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
-from edge_client.tree import DraftTree
+from moa_core.tree import DraftTree
 
 MAGIC = b"MOA1"
 PROTOCOL_VERSION = 1
