@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                 new_tokens += len(answer)
                 reply = tok.decode(answer, skip_special_tokens=True)
                 conv = prompt + [{"role": "assistant", "content": reply}]
-                f.write(json.dumps({"id": sid, "conversations": conv, "generated_by": target.name,
+                f.write(json.dumps({"id": sid, "conversations": conv, "generated_by": target.label,
                                     "answer_tokens": len(answer)}) + "\n")
             f.flush()
             bar.update(len(batch))
