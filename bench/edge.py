@@ -12,8 +12,9 @@ and per category, beyond tokens/s, speedup (over api) and outputs_match_api (gre
 - network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
 - draft_share: the share of the time the edge spent drafting;
 - api_share: the share of a speculative method's generations the server made alone because speculation did not pay;
-- predicted_tokens_per_s: what the edge's cost model predicted at connect (moa_core.budget: the server's
-  measured costs, the edge's draft step, the round trip, the drafter's held-out acceptance), next to tokens_per_s;
+- predicted_tokens_per_s: what the edge predicted before each generation (moa_core.budget.Forecast: the cost
+  model from the server's measured costs, the edge's draft step, the round trip and the drafter's held-out
+  acceptance, refreshed by the generations observed before in the mode it runs), next to tokens_per_s;
   predicted_error = predicted / measured - 1.
 """
 
@@ -34,10 +35,9 @@ def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
     def turn(messages: list[dict]) -> tuple[str, list[int], dict[str, float]]:
         res = session.complete(messages, seed=seed, **gen)
         s = session.stats
-        predicted = session.predict_s(len(session.encode(messages)), s.new_tokens)
         return res.text, res.token_ids, {
             "generations": 1, "api_generations": int(s.mode == "api"),
-            **({"predicted_s": predicted} if predicted is not None else {}),
+            **({"predicted_s": s.predicted_s} if s.predicted_s is not None else {}),
             "new_tokens": s.new_tokens, "total_s": s.total_s, "verify_calls": s.verify_calls,
             "accepted_tokens": s.accepted_tokens, "server_calls": s.server_calls, "server_s": s.server_s,
             "bytes": s.bytes_up + s.bytes_down, "network_wait_s": s.network_wait_s, "draft_s": s.draft_s}

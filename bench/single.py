@@ -7,9 +7,10 @@ turn). Figures per method, overall and per category:
 - tokens_per_s: total new tokens / total generation time; tokens_per_s_median: median over prompts;
 - speedup: tokens_per_s over vanilla's in the same run;
 - target_forwards_per_token: target forwards (prefills included) per new token;
-- predicted_tokens_per_s: what the engine's cost model predicted before the run (prefill and rounds at the predicted
-  tau, or plain decoding where it predicted speculation not to pay), next to the measured tokens_per_s;
-  predicted_error = predicted / measured - 1 (None for prompt lookup: it has no acceptance record to predict with);
+- predicted_tokens_per_s: what the engine predicted before each generation (`Forecast`: the cost model's prefill and
+  rounds at the predicted tau, or plain decoding where it predicted speculation not to pay, refreshed by the
+  generations observed before, warm-up included), next to the measured tokens_per_s; predicted_error = predicted /
+  measured - 1 (None where a generation had nothing to predict with: prompt lookup before any observation);
 - outputs_match_vanilla (greedy only): the share of prompts whose token ids equal vanilla's.
 """
 
@@ -36,6 +37,7 @@ def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[
     for m in methods:
         drafter = None if m == "vanilla" else "lookup" if m == "lookup" else load_drafter(drafters[m], target)
         engines[m] = SpeculativeEngine(target, drafter, tree=tree)
+        engines[m].costs  # measured before the run, so that every generation is predicted before it runs
     return engines
 
 
@@ -43,12 +45,11 @@ def engine_turn(engine: SpeculativeEngine, seed: int, **gen) -> Turn:
     def turn(messages: list[dict]) -> tuple[str, list[int], dict[str, float]]:
         res = engine.generate(messages, seed=seed, **gen)
         s = res.stats
-        predicted = engine.predict_s(len(engine.encode(messages)), s.new_tokens)
         return res.text, res.token_ids, {
             "new_tokens": s.new_tokens, "total_s": s.total_s, "gained": sum(s.acceptance_lengths),
             "rounds": len(s.acceptance_lengths), "target_forwards": s.target_forwards, "drafter_calls": s.drafter_calls,
             "draft_s": s.draft_s, "verify_s": s.verify_s, "plain_rounds": s.plain_rounds,
-            **({"predicted_s": predicted} if predicted is not None else {})}
+            **({"predicted_s": s.predicted_s} if s.predicted_s is not None else {})}
     return turn
 
 

@@ -42,7 +42,7 @@ from websockets.sync.client import ClientConnection, connect
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
 from edge_client.runtime import OrtDraftStep
 from moa_core import protocol as P
-from moa_core.budget import Choice, Costs, Pacer, agreement_table, choose, measure_draft
+from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft
 from moa_core.drafting import DraftSession, OfflineGuard
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.paths import cache_dir
@@ -130,6 +130,7 @@ class Stats:
     server_s: float = 0.0  # the server's own compute time, as its replies report it
     draft_s: float = 0.0
     total_s: float = 0.0
+    predicted_s: float | None = None  # what the forecast predicted before the generation (for its new_tokens)
 
     @property
     def tau(self) -> float:
@@ -393,6 +394,8 @@ class EdgeSession:
         self.offline_temperature = offline_temperature
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.choice: Choice | None = None  # the cost model's prediction (tree auto)
+        # what generations will take, per mode they run in: the cost model, then what was observed
+        self.forecasts = {m: Forecast(lambda p, n, m=m: self.prior_s(m, p, n)) for m in ("api", "speculative")}
         self.pacer: Pacer | None = None  # speculative mode with tree auto: whether to let the server generate
         self.rtt_s = 0.0
         self.stats = Stats(mode)
@@ -445,42 +448,60 @@ class EdgeSession:
         `drop_after` drops the link once that many generated tokens are verified and keeps it down for
         `offline_for` seconds (None: to the end of this generation)."""
         ids = self.encode(prompt)
-        mode = self.mode
         if self.pacer is not None and self.online:
             self._say_pace()
-            if not self.pacer.speculate():
-                mode = "api"  # speculation does not pay: the server generates this reply alone
+        mode = self._next_mode()  # api when speculation does not pay: the server generates this reply alone
+        forecast = self.forecasts.get(mode) if self.online else None
+        predicted = forecast.copy() if forecast else None  # what was predicted before this generation
         self.stats = Stats(mode, tree=str(self.tree) if mode == "speculative" else "")
         self.result = None
         self._sampling = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k)}
         self._rng = np.random.default_rng(seed)
         start = time.perf_counter()
+        first_s = None  # time to the first chunk: the prefill, for the forecast
         run = self._api(ids, max_new_tokens) if mode == "api" else \
             self._speculative(ids, max_new_tokens, drop_after, offline_for)
         for chunk in run:
             self.stats.total_s = time.perf_counter() - start
+            first_s = first_s or self.stats.total_s
             yield chunk
         self.stats.total_s = time.perf_counter() - start
-        self.stats.new_tokens = len(self.result.token_ids)
+        self.stats.new_tokens = n = len(self.result.token_ids)
+        if forecast is not None and not self.stats.offline_tokens:  # offline stretches are not what it predicts
+            self.stats.predicted_s = predicted.seconds(len(ids), n)
+            first_s = first_s or self.stats.total_s
+            forecast.observe(len(ids), first_s, n, self.stats.total_s - first_s)
 
-    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
-        """Seconds the cost model predicts (from what was measured at connect) for a generation of this session:
-        the server alone (api mode, or speculation predicted not to pay): a round trip, its prefill and decode
-        steps; speculative: a round trip and the prefill with the prompt's memory rows, then rounds at the predicted
-        tau. None without the server's costs or a prediction (a given tree, no acceptance record, offline)."""
+    def prior_s(self, mode: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
+        """What the cost model, from what was measured at connect, predicts a generation in `mode` costs: (prefill
+        seconds, generation seconds). api: a round trip, the server's prefill and decode steps; speculative: a round
+        trip and the prefill with the prompt's memory rows, then rounds at the predicted tau. None without the
+        server's costs or a prediction (a given tree, no acceptance record)."""
         costs = server_costs(self._link) if self._link is not None else None
-        if costs is None or self.mode == "offline":
+        if costs is None:
             return None
         context = prompt_tokens + new_tokens / 2
         prefill = self.rtt_s + prompt_tokens * costs.prefill_s
-        if self.mode == "api" or (self.choice is not None and not self.choice.pays):
-            return prefill + new_tokens * costs.decode(context)
+        if mode == "api":
+            return prefill, new_tokens * costs.decode(context)
         if self.choice is None:
             return None
         c = self.choice
         n = 1 + c.tree.total_tokens
         shift = costs.verify(context)[n] - costs.verify(sum(costs.contexts) / 2)[n]  # the round, at this context
-        return prefill + prompt_tokens * costs.prompt_rows_s + new_tokens / c.tau * (c.round_s + shift)
+        return prefill + prompt_tokens * costs.prompt_rows_s, new_tokens / c.tau * (c.round_s + shift)
+
+    def _next_mode(self) -> str:
+        """The mode the next generation runs in: api while speculation does not pay."""
+        if self.pacer is not None and self.online and not self.pacer.speculate():
+            return "api"
+        return self.mode
+
+    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Seconds the next generation is predicted to take in the mode it will run in (`forecasts`: the cost
+        model, refreshed by the generations observed since). None offline or without anything to predict with."""
+        forecast = self.forecasts.get(self._next_mode())
+        return forecast.seconds(prompt_tokens, new_tokens) if forecast and self.online else None
 
     def _say_pace(self) -> None:
         """Log the pacer's verdict when it has changed since it was last said."""

@@ -10,7 +10,8 @@ training record) and the round time is
   each further accepted token (`Costs`, measured at two context lengths and interpolated);
 - one round trip between an edge and a server (0 on one device).
 The baseline makes one token per plain decode step (`Costs.decode_s`): vanilla decoding, or the server alone (api).
-A generation also pays its prefill (`Costs.prefill_s` per prompt token). All times are measured where they are
+A generation also pays its prefill (`Costs.prefill_s` per prompt token). What a generation will take (`Forecast`)
+starts from these figures and follows what earlier generations took, all overheads included. All times are measured where they are
 spent: on one device by the engine (models/costmodel.py); between an edge and a server, the server measures its
 costs at start and sends them in `welcome`, the edge measures its own draft step and the round trip. On a CPU a
 bigger verify costs much more; on a big GPU 64 tokens cost about what one does, and the same code picks a wider
@@ -223,3 +224,35 @@ class Pacer:
     def speculate(self) -> bool:
         """Speculate next (it pays, or a probe is due) or run the baseline."""
         return self.pays or self._since_probe >= self.probe_after
+
+
+class Forecast:
+    """Seconds the next generation will take: its prefill (per prompt token) and its new tokens (per token).
+
+    Both start at the cost model's prediction, `prior(prompt_tokens, new_tokens) -> (prefill_s, generation_s)` or
+    None, and once `min_tokens` of each have been observed they follow what earlier generations took (sums that
+    decay by `decay` per generation, so a machine whose load changes is followed within a few generations). What
+    rounds cost beyond the timed forwards (sampling, the stop rule, Python, a busy machine) is then included.
+    Compare a forecast made before a generation with what it took (`copy` it first)."""
+
+    def __init__(self, prior: Callable[[int, int], tuple[float, float] | None], decay: float = 0.5,
+                 min_tokens: int = 32):
+        self.prior, self.decay, self.min_tokens = prior, decay, min_tokens
+        self._seen = [0.0, 0.0, 0.0, 0.0]  # prompt tokens, prefill seconds, new tokens, generation seconds
+
+    def seconds(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Predicted seconds of a generation (None: no prior and too little observed)."""
+        prompt, prefill_s, new, generation_s = self._seen
+        prior = self.prior(prompt_tokens, new_tokens)
+        prefill = prompt_tokens * prefill_s / prompt if prompt >= self.min_tokens else prior and prior[0]
+        generation = new_tokens * generation_s / new if new >= self.min_tokens else prior and prior[1]
+        return None if prefill is None or generation is None else prefill + generation
+
+    def observe(self, prompt_tokens: int, prefill_s: float, new_tokens: int, generation_s: float) -> None:
+        self._seen = [self.decay * x + y for x, y in zip(self._seen, (prompt_tokens, prefill_s, new_tokens,
+                                                                     generation_s))]
+
+    def copy(self) -> "Forecast":
+        out = Forecast(self.prior, self.decay, self.min_tokens)
+        out._seen = list(self._seen)
+        return out

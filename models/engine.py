@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from moa_core.budget import WIDTHS, Choice, Costs, Pacer, measure_draft
+from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft
 from moa_core.drafting import DraftSession
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.tree import DraftTree, TreeConfig
@@ -70,6 +70,7 @@ class GenerationStats:
     total_s: float = 0.0
     tree: str = ""
     plain_rounds: int = 0  # rounds decoded plainly because speculation did not pay (tree auto)
+    predicted_s: float | None = None  # what the forecast predicted before the generation (for its new_tokens)
 
     @property
     def tau(self) -> float:
@@ -107,7 +108,9 @@ class SpeculativeEngine:
     With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
     round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
     target forward per token), tries a speculative round again now and then, and says when the verdict changes.
-    `predict_s` is what the cost model expects a generation to take."""
+    `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
+    observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
+    it (`predicted_s`)."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16):
@@ -140,6 +143,7 @@ class SpeculativeEngine:
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
+        self.forecast = Forecast(self.prior_s)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
 
     @property
@@ -168,18 +172,23 @@ class SpeculativeEngine:
                                                                            [verify[s] for s in sizes]))
                 + (tau - 1) * self.costs.row_s)
 
-    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
-        """Seconds the cost model predicts (from what it measured at start, not from what generations observed
-        since) for a generation: prefill, then rounds at the predicted tau, or plain decode steps where it
-        predicted speculation not to pay. None: no tau to predict with (prompt lookup has no acceptance record)."""
+    def prior_s(self, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
+        """What the cost model, from what it measured at start, predicts a generation costs: (prefill seconds,
+        generation seconds): rounds at the predicted tau, or plain decode steps where it predicted speculation not
+        to pay. None: no tau to predict with (prompt lookup has no acceptance record)."""
         context = prompt_tokens + new_tokens / 2
         prefill = prompt_tokens * self.costs.prefill_s
         if self.tree is None or (self.choice is not None and not self.choice.pays):
-            return prefill + new_tokens * self.costs.decode(context)
+            return prefill, new_tokens * self.costs.decode(context)
         if self.choice is None:
             return None
         prefill += prompt_tokens * self.costs.prompt_rows_s
-        return prefill + new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
+        return prefill, new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
+
+    def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
+        """Seconds the next generation is predicted to take (`forecast`: the cost model, refreshed by the
+        generations observed since)."""
+        return self.forecast.seconds(prompt_tokens, new_tokens)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(prompt, self.target.encode_chat)
@@ -202,12 +211,14 @@ class SpeculativeEngine:
         rng = np.random.default_rng(seed)
         stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
         checker = StopRule(self.target.eos_token_ids, self.target.tokenizer.decode, stop)
+        forecast = self.forecast.copy()  # what was predicted before this generation
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner()
         step = runner.forward(ids, logits="last")
         stats.target_forwards += 1
         root = sample_token(step.logits[-1], sampling, g)
+        prefill_s = time.perf_counter() - t0
         session = DraftSession(self.step, self.candidates) if self.step is not None else None
         behind: list[tuple[list[int], TargetStep]] = [(ids, step)] if session else []  # verified, not yet in session
         out: list[int] = []
@@ -241,6 +252,9 @@ class SpeculativeEngine:
                 printed = len(text)
         stats.new_tokens = len(out)
         stats.total_s = time.perf_counter() - t0
+        if self._costs is not None:  # measured (tree auto, or asked for): predictions are wanted
+            stats.predicted_s = forecast.seconds(len(ids), stats.new_tokens)
+        self.forecast.observe(len(ids), prefill_s, stats.new_tokens, stats.total_s - prefill_s)
         if session is not None:
             stats.drafter_calls = session.stats.drafter_calls
         return GenerationResult(self.target.tokenizer.decode(out, skip_special_tokens=True), out, stats, reason)

@@ -58,14 +58,12 @@ def test_turns_run_as_one_chat():
 
         def generate(self, messages, **kw):
             self.seen.append([dict(m) for m in messages])
-            stats = GenerationStats(new_tokens=2, target_forwards=2, acceptance_lengths=[2], total_s=0.5)
+            stats = GenerationStats(new_tokens=2, target_forwards=2, acceptance_lengths=[2], total_s=0.5,
+                                    predicted_s=0.1 * (len(messages) + 2))  # predicted: 0.1 s a token
             return GenerationResult(f"answer {len(self.seen)}", [5, 6], stats, "eos")
 
         def encode(self, messages):
             return [1] * len(messages)
-
-        def predict_s(self, prompt_tokens, new_tokens):  # the cost model's prediction: 0.1 s a token
-            return 0.1 * (prompt_tokens + new_tokens)
 
     engine = Recorder()
     run = run_chat(engine_turn(engine, seed=0, max_new_tokens=4), "vanilla", Prompt("1", "c", ["first", "second"]))

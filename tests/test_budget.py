@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moa_core.budget import WIDTHS, agreement_table, choose, expected_tau, tree_sizes
+from moa_core.budget import WIDTHS, Forecast, agreement_table, choose, expected_tau, tree_sizes
 
 AGREEMENT = agreement_table({"1": [0.6] * 6, "2": [0.7] * 6, "4": [0.8] * 6, "8": [0.85] * 6})
 DRAFT = {w: 0.001 for w in WIDTHS}
@@ -68,3 +68,20 @@ def test_costs_travel_and_interpolate():
     back = Costs.from_wire(json.loads(json.dumps(costs.to_wire())))
     assert back == costs
     assert back.verify(300) == pytest.approx({1: 0.02, 9: 0.04}) and back.decode(300) == pytest.approx(0.018)
+
+
+def test_forecast_starts_at_the_prior_and_follows_what_it_observes():
+    f = Forecast(lambda prompt, new: (0.01 * prompt, 0.1 * new), min_tokens=32)
+    assert f.seconds(100, 50) == pytest.approx(1.0 + 5.0)
+    before = f.copy()
+    f.observe(100, 2.0, 40, 8.0)  # this machine is twice as slow as measured
+    assert before.seconds(100, 50) == pytest.approx(6.0)  # a copy keeps the forecast made before
+    assert f.seconds(100, 50) == pytest.approx(2.0 + 10.0)
+    f.observe(100, 1.0, 40, 4.0)  # ... and then as fast as measured: the older generation counts half
+    assert f.seconds(100, 50) == pytest.approx(100 * 2.0 / 150 + 50 * 8.0 / 60)
+    assert Forecast(lambda prompt, new: None).seconds(10, 10) is None
+    few = Forecast(lambda prompt, new: None, min_tokens=32)
+    few.observe(40, 0.4, 10, 1.0)  # the prefill is known, the per-token cost not yet
+    assert few.seconds(10, 10) is None
+    few.observe(40, 0.4, 30, 3.0)
+    assert few.seconds(10, 10) == pytest.approx(10 * 0.6 / 60 + 10 * 3.5 / 35)

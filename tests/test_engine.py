@@ -102,6 +102,19 @@ def test_int8_target_is_batch_invariant_and_greedy_lossless():
     assert forwards[1] < 0.8 * forwards[0], forwards  # paths really get accepted
 
 
+def test_each_generation_is_predicted_before_it_runs(tiny, drafters):
+    spec = SpeculativeEngine(tiny, drafters["moa"], tree="auto")  # tree auto measures the costs
+    prompt = greedy_continuations(tiny, 1, seed=3)[0].ids[:6]
+    first = spec.generate(prompt, max_new_tokens=40).stats
+    assert first.new_tokens == 40
+    assert first.predicted_s == pytest.approx(sum(spec.prior_s(len(prompt), 40)))  # nothing observed: the model
+    second = spec.generate(prompt, max_new_tokens=40).stats
+    prefill = spec.prior_s(len(prompt), 40)[0]  # 6 prompt tokens observed: too few, still the model's
+    # 40 new tokens observed: the forecast follows their cost, the first generation's time less its prefill
+    assert prefill < second.predicted_s < prefill + first.total_s
+    assert SpeculativeEngine(tiny, None).generate(prompt, max_new_tokens=4).stats.predicted_s is None  # not measured
+
+
 def test_engine_decodes_plainly_while_speculation_does_not_pay(tiny, drafters, caplog):
     vanilla, spec = SpeculativeEngine(tiny, None), SpeculativeEngine(tiny, drafters["moa"], tree="auto")
     prompt = greedy_continuations(tiny, 1, seed=3)[0].ids[:6]
