@@ -3,8 +3,9 @@ every leg (the legs a run continued, from its --init drafter's training record, 
 
     python -m bench.campaign --runs runs/moa_leg2 runs/eagle_leg2 --out runs/campaign
 
-Periodic evaluations (`--eval-samples` conversations) are the lines; the final evaluation of each run (eval.json,
-`--final-eval-samples`) is the marker. Writes campaign.json and campaign.png.
+Periodic evaluations (`--eval-samples` conversations) are the thin lines; the final evaluation of each run
+(eval.json, `--final-eval-samples`) is a star, and the stars of one architecture's legs are joined. Writes
+campaign.json and campaign.png.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ def plot(curves: list[dict], png: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, key, label, scale in ((axes[0], "tokens", "tokens seen (all legs)", 1), (axes[1], "wall_s",
                                   "training wall time, minutes (all legs)", 60)):
-        for c in curves:
-            xs = [pt[key] / scale for pt in c["points"]]
-            line, = ax.plot(xs, [pt["expected_tau"] for pt in c["points"]], marker=".", label=c["arch"])
-            if c["final"]:
-                ax.plot([c["final"][key] / scale], [c["final"]["expected_tau"]], marker="*", ms=12,
-                        color=line.get_color(), label=f"{c['arch']} final")
+        for arch in sorted({c["arch"] for c in curves}):
+            legs = [c for c in curves if c["arch"] == arch]
+            finals = sorted((c["final"] for c in legs if c["final"]), key=lambda f: f["tokens"])
+            line, = ax.plot([f[key] / scale for f in finals], [f["expected_tau"] for f in finals], marker="*",
+                            ms=12, label=f"{arch}: final evaluation of each leg")
+            for c in legs:
+                if c["points"]:
+                    ax.plot([pt[key] / scale for pt in c["points"]], [pt["expected_tau"] for pt in c["points"]],
+                            marker=".", lw=0.8, alpha=0.6, color=line.get_color())
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out expected tau (chain, depth 6)")
