@@ -462,6 +462,16 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
     return int(tokens[0]), tree
 
 
+def encode_accepted(path: list[int]) -> list[int]:
+    """The `verified` reply's `accepted` field: wire indices (root 0, tree node i at i+1) of root + `path`."""
+    return [0] + [i + 1 for i in path]
+
+
+def decode_accepted(accepted: list[int]) -> list[int]:
+    """The accepted tree nodes below the root; inverse of encode_accepted."""
+    return [i - 1 for i in accepted[1:]]
+
+
 # ---- fingerprints -----------------------------------------------------------------------------------------
 def fingerprint_diff(ours: str, theirs: str) -> list[str]:
     """Names of the parts that differ between two "name=value;..." fingerprints (["fingerprint"] if not that form)."""
