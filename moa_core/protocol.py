@@ -394,13 +394,6 @@ def decode_rows(tensors: dict[str, np.ndarray]) -> np.ndarray:
     raise TensorMismatch(f"rows dtype {rows.dtype} is not float16 or int8")
 
 
-def row_bytes(row_width: int, dtype: str) -> int:
-    """Payload bytes per token of memory rows: R*2 in fp16, R+4 in int8 (the float32 scale)."""
-    if dtype not in ROW_DTYPES:
-        raise ValueError(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
-    return row_width * 2 if dtype == "fp16" else row_width + 4
-
-
 # ---- draft trees -------------------------------------------------------------------------------------------
 def check_vocab(ids: np.ndarray, vocab_size: int, what: str = "tokens") -> None:
     """Raise ProtocolError(out_of_vocab) unless every id is in [0, vocab_size)."""

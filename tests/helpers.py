@@ -16,7 +16,8 @@ from moa_core.drafting import DraftStep
 from moa_core.generation import StopRule
 from moa_core.tree import TreeConfig
 from models.data import Encoded
-from models.drafter import build_drafter, trainable_parameters
+from models.drafter import trainable_parameters
+from models.registry import build_drafter
 from models.train import TrainConfig, collate, train_step_loss
 
 

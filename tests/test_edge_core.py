@@ -13,7 +13,7 @@ import torch
 from edge_client.core import EdgeCore, EdgeError, State, Stats, common_prefix
 from moa_core import protocol as P
 from moa_core.tree import TreeConfig
-from models.drafter import build_drafter
+from models.registry import build_drafter
 from models.engine import SpeculativeEngine, TorchDraftStep
 from server.config import Limits
 from server.session import Model, Session, sampling_of

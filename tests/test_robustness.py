@@ -29,9 +29,8 @@ from websockets.exceptions import ConnectionClosed
 
 from moa_core import protocol as P
 from moa_core.tree import TreeConfig
-from models.drafter import build_drafter, load_drafter
+from models.registry import build_drafter, load_drafter, load_target
 from models.engine import SpeculativeEngine, TorchDraftStep
-from models.target import load_target
 from server.app import App
 from server.config import Limits
 from server.process import ServerProcess

@@ -411,7 +411,7 @@ def test_expired_session_and_max_sessions(model, drafter, prompts, vanilla, tiny
 # ---- the real default target --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_target_prefill_verify_equals_vanilla(real_target):
-    from models.drafter import build_drafter, load_drafter
+    from models.registry import build_drafter, load_drafter
     from models.defaults import DEFAULTS_DIR
 
     prompts = [real_target.encode_chat([{"role": "user", "content": q}])
