@@ -91,7 +91,7 @@ def load_models(args: argparse.Namespace, methods: list[str]):
     import torch
 
     from models.defaults import resolve_drafter_path
-    from models.target import load_target
+    from models.registry import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +156,7 @@ def quantize(args: argparse.Namespace) -> None:
     import torch
 
     from bench.quantize import markdown, run_quantize
-    from models.target import load_target
+    from models.registry import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

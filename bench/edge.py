@@ -1,6 +1,6 @@
 """Client-server benchmark: the server generating alone (`api`, the usual deployment) against the EAGLE and MoA
 edge bundles drafting in ONNX Runtime while the verify server checks their trees, side by side in one run
-(DESIGN.md §9). This is the edge client's view: its own clock, its own byte counts.
+(docs/design.md §9). This is the edge client's view: its own clock, its own byte counts.
 
 Each drafter needs a server whose memory head matches its bundle: one server per drafter, started on loopback
 unless given; `api` asks the MoA server (any server generates the same vanilla text). Figures per method, overall

@@ -8,7 +8,7 @@ scored against the target's own greedy continuation from the same point.
 It runs on one device in PyTorch (the target's activations give the memory rows, as the server computes them), but
 the offline tokens come from the edge's own code: `DraftSession.next_token` with the `OfflineGuard`, exactly what
 `EdgeSession` runs when offline (there on the ONNX graph of the same drafter). Methods: `moa` (memory frozen at
-the cut), `eagle` (feeding its own predicted features back, DESIGN.md §4), each also `+guard` (the offline guard),
+the cut), `eagle` (feeding its own predicted features back, docs/design.md §4), each also `+guard` (the offline guard),
 and `lookup` (prompt lookup: the token that followed the latest match of the transcript's last n-gram).
 
 Figures per method and cut:
@@ -110,7 +110,7 @@ def build_continuers(target: Target, methods: list[str], drafters: dict[str, str
                      temperature: float = 0.0) -> dict[str, Continuer]:
     """`moa`/`eagle` unguarded and (unless `guard` is None) `+guard`, and `lookup`; `drafters` maps moa/eagle to a
     shipped name or a directory."""
-    from models.drafter import load_drafter
+    from models.registry import load_drafter
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

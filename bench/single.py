@@ -1,4 +1,4 @@
-"""Single-device benchmark: vanilla, prompt lookup, EAGLE-2 and MoA side by side in one run (DESIGN.md §9).
+"""Single-device benchmark: vanilla, prompt lookup, EAGLE-2 and MoA side by side in one run (docs/design.md §9).
 
 Prompts are interleaved: for each prompt every method runs, so that drift in machine load hits all methods alike.
 Each prompt's turns run as a multi-turn chat (each answer is appended as the assistant message before the next
@@ -28,7 +28,7 @@ METHODS = ("vanilla", "lookup", "eagle", "moa")
 
 def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[str, str]) -> dict[str, SpeculativeEngine]:
     """One engine per method; `drafters` maps moa/eagle to a shipped name or a drafter directory."""
-    from models.drafter import load_drafter
+    from models.registry import load_drafter
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

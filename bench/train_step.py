@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from models.data import Encoded
-from models.drafter import load_drafter, trainable_parameters
+from models.drafter import trainable_parameters
 from models.features import FeatureCache, build_cache
-from models.target import load_target
+from models.registry import load_drafter, load_target
 from models.train import TrainConfig, collate, train_step_loss
 
 PHASES = ("target", "drafter+loss", "backward")

@@ -1,7 +1,9 @@
-"""The edge client: speculative decoding against a verify server, offline continuation and resync (DESIGN.md §6-7).
+"""The edge client's I/O: the link, the reconnector and the drivers of the I/O-free `EdgeCore` (edge_client/core.py)
+for speculative decoding against a verify server, offline continuation and resync (docs/design.md §6-7).
 
 `EdgeSession` drafts trees with the bundle's ONNX drafter, has the server verify them (docs/protocol.md) and
-streams the text as tokens are accepted. The edge's transcript is the source of truth; the server's is a cache.
+streams the text as tokens are accepted. The edge's transcript (the core's) is the source of truth; the server's
+is a cache.
 
 - A dropped connection is reopened once at once and the unanswered request sent again with the same `seq` (the
   server answers a repeated `seq` with its cached reply, so a lost reply is simply retried).
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -40,10 +42,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
+from edge_client.core import POLICIES, EdgeCore, EdgeError, Request, State, Stats, common_prefix, token_tensor
 from edge_client.runtime import OrtDraftStep
 from moa_core import protocol as P
 from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft
-from moa_core.drafting import DraftSession, OfflineGuard
+from moa_core.drafting import OfflineGuard
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.paths import cache_dir
 from moa_core.tree import TreeConfig
@@ -52,15 +55,10 @@ log = logging.getLogger("moa.edge")
 
 DEFAULT_SERVER = "ws://127.0.0.1:8765"
 MODES = ("speculative", "api", "offline")
-POLICIES = ("keep", "verify")
 CLIENT_NAME = "moa-edge"
 
 
 # ---- errors ---------------------------------------------------------------------------------------------------
-class EdgeError(RuntimeError):
-    """The client cannot go on; the message says why."""
-
-
 class ServerError(EdgeError):
     """An `error` reply the client cannot recover from; `code` is the protocol's error code."""
 
@@ -108,41 +106,6 @@ class Result:
     @property
     def verified(self) -> bool:
         return self.unverified == 0
-
-
-@dataclass
-class Stats:
-    """Figures of one generation. Bytes count the frames of generation requests and replies (not the handshake)."""
-
-    mode: str
-    tree: str = ""
-    new_tokens: int = 0
-    server_calls: int = 0  # requests sent: prefill, verify, resume, generate (retries included)
-    verify_calls: int = 0
-    accepted_tokens: int = 0  # tokens gained by verify calls, the root included: tau = accepted / verify calls
-    offline_tokens: int = 0  # tokens the drafter made alone while offline
-    rewound_tokens: int = 0  # offline tokens shown, then withdrawn by a `verify` resume
-    reconnects: int = 0
-    retries: int = 0  # requests sent again (same seq) on a reopened connection
-    bytes_up: int = 0
-    bytes_down: int = 0
-    network_wait_s: float = 0.0  # time blocked on the server: round trips, server compute included
-    server_s: float = 0.0  # the server's own compute time, as its replies report it
-    draft_s: float = 0.0
-    total_s: float = 0.0
-    predicted_s: float | None = None  # what the forecast predicted before the generation (for its new_tokens)
-
-    @property
-    def tau(self) -> float:
-        return self.accepted_tokens / self.verify_calls if self.verify_calls else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        per_token = (self.bytes_up + self.bytes_down) / self.new_tokens if self.new_tokens else 0.0
-        return {**asdict(self), "tau": self.tau, "tokens_per_s": self.tokens_per_s, "bytes_per_token": per_token}
 
 
 # ---- the default bundle ---------------------------------------------------------------------------------------
@@ -208,15 +171,6 @@ def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link, rtt: float) -> tup
     if acc:
         return TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}", None
     return TreeConfig(), "auto: default budget, the bundle has no acceptance record", None
-
-
-def token_tensor(tokens: list[int]) -> dict[str, np.ndarray]:
-    return {"tokens": np.asarray(tokens, np.int32)}
-
-
-def common_prefix(a: list | str, b: list | str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 # ---- the connection -------------------------------------------------------------------------------------------
@@ -400,28 +354,18 @@ class EdgeSession:
         self.rtt_s = 0.0
         self.stats = Stats(mode)
         self.result: Result | None = None
-        self.session_id: str | None = None
         self.target: str | None = None  # the server's target model, once connected
-        self.seq = 0
         self._link: Link | None = None
         self._reconnector: Reconnector | None = None
-        # the transcript: tokens[:length] are committed on the server (with their memory rows); after them come
-        # the pending root (the server's next token) and whatever the edge made offline
-        self.prompt: list[int] = []
-        self.tokens: list[int] = []
-        self.length = 0
-        self.rows = np.zeros((0, self.bundle.row_width), np.float32)
-        self._pending: int | None = None  # the server's next token after tokens[:length] (this generation)
-        self._kept_unchecked = 0  # offline tokens of this generation the server took under `keep`
-        self._draft: DraftSession | None = None  # drafts trees over the committed transcript
-        self._offline: DraftSession | None = None  # generates alone while offline
-        self._shown = ""
+        self._shown = ""  # the text streamed so far in this generation
+        self.core = EdgeCore(self.step, self.bundle.row_width, self.tree, on_reconnect)  # the transcript
         if mode != "offline":
             self._link = self._open()
-            self.session_id, self.target = self._link.session_id, self._link.welcome["target"]
+            self.core.session_id, self.target = self._link.session_id, self._link.welcome["target"]
             self.rtt_s = self._link.round_trip_s()
             if mode == "speculative":  # api mode never drafts: no budget to fit
                 self.tree, self.tree_note, self.choice = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
+                self.core.tree = self.tree
                 # a switch to the server alone lasts a whole generation: probe speculation again rarely
                 self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
                 self._paid = self.pacer.pays if self.pacer else True  # the verdict last reported
@@ -434,6 +378,24 @@ class EdgeSession:
     @property
     def online(self) -> bool:
         return self._link is not None
+
+    @property
+    def session_id(self) -> str | None:
+        """The server session that holds the committed transcript."""
+        return self.core.session_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.core.prompt
+
+    @property
+    def tokens(self) -> list[int]:
+        """The transcript: tokens[:length] committed on the server, then the pending root and any offline tokens."""
+        return self.core.tokens
+
+    @property
+    def length(self) -> int:
+        return self.core.length
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text is one user turn, dicts are chat messages (chat template), ints pass as is."""
@@ -563,14 +525,12 @@ class EdgeSession:
         self.stats.server_s += sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
         return msg
 
-    def _request(self, msg_type: str, fields: dict[str, Any], tensors: dict[str, np.ndarray],
-                 reply_type: str) -> P.Message:
+    def _request(self, request: Request) -> P.Message:
         """One request and its reply. A dropped connection is reopened once and the very same frame (same seq)
         sent again. Raises LinkDown (go offline) or ServerError."""
-        frame = P.encode(msg_type, {"session_id": self.session_id, **fields}, tensors)
         try:
-            self._send(frame)
-            return expect(self._receive(), reply_type)
+            self._send(request.frame)
+            return self._receive()
         except LinkDown as e:
             if e.timed_out:
                 raise
@@ -580,51 +540,37 @@ class EdgeSession:
             except ServerError as reopen:  # e.g. back with another model: offline, the reconnect attempts report it
                 raise LinkDown(str(reopen)) from None
             self.stats.retries += 1
-            self._send(frame)
-            return expect(self._receive(), reply_type)
-
-    def _commit(self, new: list[int], reply: P.Message) -> None:
-        """`new` tokens are now verified at `length` (their rows are in `reply`); the reply's next token follows."""
-        rows = P.decode_rows(reply.tensors)
-        self.tokens[self.length:] = new
-        self.rows = np.concatenate([self.rows, rows])
-        self.length += len(new)
-        if reply.fields["length"] != self.length or len(rows) != len(new):
-            raise EdgeError(f"the server's transcript ({reply.fields['length']} tokens, {len(rows)} new rows) "
-                            f"disagrees with the edge's ({self.length}, {len(new)})")
-        self._pending = int(reply.fields["next_token"])
-        self.tokens.append(self._pending)
+            self._send(request.frame)
+            return self._receive()
 
     # ---- speculative and offline generation -------------------------------------------------------------------
     def _speculative(self, prompt: list[int], max_new: int, drop_after: int | None,
                      offline_for: float | None) -> Iterator[Chunk]:
+        core = self.core
         self._start(prompt, max_new)
         deadline = None  # for the wait to verify an offline end, from when the end is first reached
         while True:
             yield from self._emit(max_new)
             if self.result is not None:
-                self.result.unverified = self._unverified(len(self.result.token_ids))
+                self.result.unverified = core.unverified(len(self.result.token_ids))
                 deadline = deadline or time.monotonic() + self.resync_wait_s
                 if not self._resync_before_end(deadline):
                     return
                 self.result = None
-            if self._link is None:
+            if core.state is State.OFFLINE:
                 self._adopt_link()
-            if self._link is None:
+            if core.state is State.OFFLINE:
                 self._offline_step()
-            elif drop_after is not None and self.length - len(prompt) >= drop_after:
+            elif drop_after is not None and core.length - len(prompt) >= drop_after:
                 drop_after = None
-                self._go_offline(f"link dropped on purpose after {self.length - len(prompt)} verified tokens",
+                self._go_offline(f"link dropped on purpose after {core.length - len(prompt)} verified tokens",
                                  offline_for)
             else:
                 self._verify_round()
 
     def _start(self, prompt: list[int], max_new: int) -> None:
         """A new generation: keep what the server has committed of this prompt, connect, sync."""
-        self.length = common_prefix(self.tokens[:self.length], prompt)  # memory rows still valid for this prompt
-        self.prompt, self.tokens, self.rows = list(prompt), list(prompt), self.rows[:self.length]
-        self._draft = self._offline = self._pending = None
-        self._kept_unchecked = 0
+        self.core.start(prompt, self._sampling, self.stats)
         self._shown = ""
         if self.mode == "offline":
             return
@@ -644,71 +590,30 @@ class EdgeSession:
         self._sync()
 
     def _sync(self, lost: bool = False) -> None:
-        """Bring the server up to the edge's transcript; if the link fails meanwhile, go offline."""
+        """Bring the server up to the edge's transcript (EdgeCore.sync_request); a server that lost the session
+        gets the transcript again by prefill. If the link fails meanwhile, go offline."""
+        core = self.core
         try:
-            self._resync(lost)
+            core.begin_sync(self._link.session_id, lost)
+            while core.state is State.RESYNCING:
+                request = core.sync_request()
+                try:
+                    reply = self._request(request)
+                except ServerError as e:
+                    if e.code != P.E_UNKNOWN_SESSION or request.type != P.RESUME or core.prefilled:
+                        raise
+                    core.begin_sync(self._link.session_id, lost=True)
+                    continue
+                core.on_reply(reply)
         except LinkDown as e:
             self._go_offline(str(e))
 
-    def _resync(self, lost: bool = False) -> None:
-        """Make the server's transcript the edge's, then draft from the committed transcript again.
-
-        Normally a `resume` of the tokens after `length` (the pending root and whatever was made offline) under the
-        policy. When the server lacks the prompt (new generation) or the session (`lost`): `prefill` the tokens
-        it must take as given in this connection's session, then resume the rest."""
-        resumed = False
-        if not lost and len(self.prompt) <= self.length < len(self.tokens):
-            try:
-                self._resume()
-                resumed = True
-            except ServerError as e:
-                if e.code != P.E_UNKNOWN_SESSION:
-                    raise
-                lost = True
-        if not resumed:
-            if lost:
-                log.info("the server lost session %s: prefilling the transcript in a new one", self.session_id)
-            given = max(self.length, len(self.prompt))
-            tail = self.tokens[given:]
-            self.session_id = self._link.session_id
-            self.seq += 1
-            reply = self._request(P.PREFILL, {"seq": self.seq, **self._sampling}, token_tensor(self.tokens[:given]),
-                                  P.PREFILLED)
-            self.length, self.rows = 0, self.rows[:0]
-            self._commit(self.tokens[:given], reply)  # tokens: the given ones + the server's next token
-            if tail and self.policy == "verify" and tail[0] != self._pending:  # resume checks all but the first
-                self.stats.rewound_tokens += len(tail)
-                log.info("resumed (verify): the target's first token differs, rewound %d offline tokens", len(tail))
-                tail = []
-            if tail:  # the edge's own continuation stands: restore it and resume it
-                self.tokens[given:] = tail
-                self._resume()
-        self._draft = DraftSession(self.step)
-        self._draft.add_verified(self.tokens[:self.length], self.rows)
-        self._offline = None
-
-    def _resume(self) -> None:
-        sent = self.tokens[self.length:]
-        reply = self._request(P.RESUME, {"length": self.length, "policy": self.policy, **self._sampling},
-                              token_tensor(sent), P.RESUMED)
-        kept = reply.fields["accepted_upto"]
-        if self.policy == "keep":
-            self._kept_unchecked += kept - (sent[0] == self._pending)  # all but the server's own next token
-        self._commit(sent[:kept], reply)
-        self.stats.rewound_tokens += len(sent) - kept
-        if len(sent) > 1:
-            log.info("resumed (%s): the server kept %d of %d offline tokens%s", self.policy, kept, len(sent),
-                     f", rewound {len(sent) - kept}" if kept < len(sent) else "")
-
     def _verify_round(self) -> None:
-        root = self.tokens[-1]
-        t = start = time.perf_counter()
-        tree = self._draft.draft(root, self.tree, self._sampling["temperature"], self._rng)
+        t = time.perf_counter()
+        request = self.core.verify_request(self._rng)
         self.stats.draft_s += time.perf_counter() - t
-        self.seq += 1
-        tensors = P.encode_tree(root, tree, with_q=self._sampling["temperature"] > 0)
         try:
-            reply = self._request(P.VERIFY, {"seq": self.seq, **self._sampling}, tensors, P.VERIFIED)
+            reply = self._request(request)
         except LinkDown as e:
             self._go_offline(str(e))
             return
@@ -717,30 +622,19 @@ class EdgeSession:
                 raise
             self._sync(lost=True)
             return
-        path = [i - 1 for i in reply.fields["accepted"][1:]]
-        new = [root] + [int(tree.tokens[i]) for i in path]
-        self._draft.accept(tree, root, path, P.decode_rows(reply.tensors))
-        self._commit(new, reply)
-        self.stats.verify_calls += 1
-        self.stats.accepted_tokens += len(new)
+        new = self.core.on_reply(reply)
         if self.pacer is not None:
-            self.pacer.observe(True, len(new), time.perf_counter() - start)
+            self.pacer.observe(True, len(new), time.perf_counter() - t)
 
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
         """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""
         log.warning("offline: %s; generating with the edge drafter alone", reason)
+        self.core.go_offline()
         if self._link is not None:
             self._link.close()
             self._link = None
         if reconnect_after is not None:
             self._reconnector = Reconnector(self._open, reconnect_after, self.backoff_s)
-
-    def _unverified(self, n_out: int) -> int:
-        """How many of the first `n_out` generated tokens the target never checked: those kept under `keep` and
-        those after the committed transcript and its pending next token."""
-        root = int(self.length < len(self.tokens) and self.tokens[self.length] == self._pending)
-        first = max(len(self.prompt), self.length + root)
-        return self._kept_unchecked + max(0, min(len(self.tokens), len(self.prompt) + n_out) - first)
 
     def _resync_before_end(self, deadline: float) -> bool:
         """Under `verify`, at the end of a generation with unverified tokens: wait until `deadline` for the
@@ -776,37 +670,20 @@ class EdgeSession:
     def _offline_step(self) -> None:
         """One token from the drafter alone, memory frozen at the last verified token."""
         t = time.perf_counter()
-        if self._offline is None:
-            self._offline = self._offline_drafter()
         temperature = self._sampling["temperature"] if self.offline_temperature is None else self.offline_temperature
-        token = self._offline.next_token(self.tokens[-1], temperature, self._rng, self.offline_guard)
+        self.core.offline_token(temperature, self._rng, self.offline_guard)
         self.stats.draft_s += time.perf_counter() - t
-        self.tokens.append(token)
-        self.stats.offline_tokens += 1
-
-    def _offline_drafter(self) -> DraftSession:
-        """A drafter over the transcript but its last token: committed tokens with their memory rows, later ones
-        (a new prompt's turn) fed with the memory frozen. Never synced (offline mode): no memory (zero rows)."""
-        drafter = DraftSession(self.step)
-        if self.length:
-            drafter.add_verified(self.tokens[:self.length], self.rows)
-            for token in self.tokens[self.length:-1]:
-                drafter.next_token(token)
-        else:
-            drafter.add_verified(self.tokens[:-1], np.zeros((len(self.tokens) - 1, self.bundle.row_width), np.float32))
-        return drafter
 
     def _emit(self, max_new: int) -> Iterator[Chunk]:
         """The text change since the last chunk; sets `result` once generation has ended."""
-        generated = self.tokens[len(self.prompt):]
-        out, reason = StopRule(self.tokenizer.eos_token_ids).cut(generated, max_new)
+        out, reason = StopRule(self.tokenizer.eos_token_ids).cut(self.core.generated, max_new)
         done = reason is not None
         text = self.tokenizer.decode(out)
         if not done:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its next token
         keep = common_prefix(self._shown, text)
         if keep < len(self._shown) or keep < len(text):
-            yield Chunk(text[keep:], rewind=len(self._shown) - keep, offline=self._link is None)
+            yield Chunk(text[keep:], rewind=len(self._shown) - keep, offline=self.core.state is State.OFFLINE)
             self._shown = text
         if done:
             self.result = Result(text, out, reason)

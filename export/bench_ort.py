@@ -57,8 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads, 0 = ORT's choice (default 1)")
     args = parser.parse_args(argv)
 
-    from models.drafter import build_drafter
-    from models.target import load_target
+    from models.registry import build_drafter, load_target
 
     target = load_target(args.target)
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,9 +46,10 @@ from moa_core.protocol import PROTOCOL_VERSION
 from edge_client.runtime import OUTPUTS, OrtDraftStep
 from moa_core.tree import TreeConfig
 from models.defaults import resolve_drafter_path
-from models.drafter import Drafter, FingerprintMismatch, bundle_fingerprint, load_drafter, read_drafter_config
+from models.drafter import Drafter, FingerprintMismatch, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep
-from models.target import Target, TargetLoadError, load_target
+from models.registry import load_drafter, load_target, read_drafter_config
+from models.target import Target, TargetLoadError
 
 OPSET = 23
 DTYPES = ("fp32", "fp16", "int8")
@@ -199,28 +200,12 @@ def parity(target: Target, torch_step: TorchDraftStep, ort_step: OrtDraftStep,
             "prompts": len(prompts)}
 
 
-class EdgeDraftStep:
-    """The ORT draft step for drafting, the torch drafter's memory head for rows (the server's half)."""
-
-    def __init__(self, ort_step: OrtDraftStep, torch_step: TorchDraftStep):
-        self.arch, self.keeps_draft_cache, self.cache_shape = ort_step.arch, ort_step.keeps_draft_cache, \
-            ort_step.cache_shape
-        self.draft_vocab, self.vocab_size = ort_step.draft_vocab, ort_step.vocab_size
-        self.memory_rows = torch_step.memory_rows
-        self._ort = ort_step
-
-    def __call__(self, *args):
-        return self._ort(*args)
-
-
 def acceptance(target: Target, drafter: Drafter, ort_step: OrtDraftStep, prompts: Sequence[str] = HELDOUT_PROMPTS,
                tree: TreeConfig = TreeConfig(), max_new_tokens: int = 48) -> dict:
     """Mean acceptance length tau of greedy speculative decoding, ORT draft step against the torch one."""
-    engine = SpeculativeEngine(target, drafter, tree=tree)
-    steps = {"torch": engine.step, "ort": EdgeDraftStep(ort_step, engine.step)}
     taus = {}
-    for name, step in steps.items():
-        engine.step = step
+    for name, step in {"torch": None, "ort": ort_step}.items():
+        engine = SpeculativeEngine(target, drafter, tree=tree, draft_step=step)
         lengths = [n for p in prompts for n in engine.generate(p, max_new_tokens=max_new_tokens).stats.acceptance_lengths]
         taus[name] = float(np.mean(lengths))
     return {"tau_torch": taus["torch"], "tau_ort": taus["ort"], "tau_change": taus["ort"] - taus["torch"],

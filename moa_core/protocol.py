@@ -394,13 +394,6 @@ def decode_rows(tensors: dict[str, np.ndarray]) -> np.ndarray:
     raise TensorMismatch(f"rows dtype {rows.dtype} is not float16 or int8")
 
 
-def row_bytes(row_width: int, dtype: str) -> int:
-    """Payload bytes per token of memory rows: R*2 in fp16, R+4 in int8 (the float32 scale)."""
-    if dtype not in ROW_DTYPES:
-        raise ValueError(f"row dtype must be one of {ROW_DTYPES}, got {dtype!r}")
-    return row_width * 2 if dtype == "fp16" else row_width + 4
-
-
 # ---- draft trees -------------------------------------------------------------------------------------------
 def check_vocab(ids: np.ndarray, vocab_size: int, what: str = "tokens") -> None:
     """Raise ProtocolError(out_of_vocab) unless every id is in [0, vocab_size)."""
@@ -460,6 +453,16 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
     tree = DraftTree(tokens=tokens[1:], parents=parents[1:] - 1, depths=depths[1:], q_ids=q_ids.astype(np.int64),
                      q_probs=q_probs.astype(np.float32))
     return int(tokens[0]), tree
+
+
+def encode_accepted(path: list[int]) -> list[int]:
+    """The `verified` reply's `accepted` field: wire indices (root 0, tree node i at i+1) of root + `path`."""
+    return [0] + [i + 1 for i in path]
+
+
+def decode_accepted(accepted: list[int]) -> list[int]:
+    """The accepted tree nodes below the root; inverse of encode_accepted."""
+    return [i - 1 for i in accepted[1:]]
 
 
 # ---- fingerprints -----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """EAGLE-2 dynamic draft trees, in numpy so that the PyTorch engine and the ONNX Runtime edge build the very
-same tree from the same drafter outputs (DESIGN.md §5).
+same tree from the same drafter outputs (docs/design.md §5).
 
 From the root (the target's next token) the tree grows `depth` times: the `topk` frontier nodes with the best
 cumulative log-probability are run through the drafter in one call, each proposes `topk` children; at the end
@@ -151,28 +151,12 @@ def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
     return vis
 
 
-def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """Temperature, top-k and top-p on the last axis; filtered entries become -inf. Returns log-probs."""
-    x = logits.astype(np.float64) / max(temperature, 1e-6)
-    if top_k and top_k < x.shape[-1]:
-        kth = np.partition(x, -top_k, axis=-1)[..., -top_k, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(-1, keepdims=True)
-    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
-    if top_p < 1.0:
-        order = np.argsort(-logp, axis=-1)
-        sorted_p = np.exp(np.take_along_axis(logp, order, -1))
-        drop_sorted = np.cumsum(sorted_p, -1) - sorted_p >= top_p
-        drop = np.zeros_like(drop_sorted)
-        np.put_along_axis(drop, order, drop_sorted, -1)
-        logp = np.where(drop, -np.inf, logp)
-        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    return logp.astype(np.float32)
-
-
 def topk_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """(m, V) logits -> top-k ids and log-probs (full-softmax normalised) per row, best first."""
-    logp = process_logits(logits, temperature if temperature > 0 else 1.0)
+    """(m, V) logits -> top-k ids and log-probs (full-softmax normalised, at `temperature`; 0 counts as 1) per row,
+    best first."""
+    x = logits.astype(np.float64) / max(temperature if temperature > 0 else 1.0, 1e-6)
+    x = x - x.max(-1, keepdims=True)
+    logp = (x - np.log(np.exp(x).sum(-1, keepdims=True))).astype(np.float32)
     k = min(k, logp.shape[-1])
     ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
     vals = np.take_along_axis(logp, ids, -1)

@@ -1,4 +1,5 @@
-"""What every drafter shares: the two deployment halves, save/load with the target fingerprint, the loss.
+"""What every drafter shares: the two deployment halves, saving with the target fingerprint, the loss
+(`models.registry` builds and loads drafters).
 
 A drafter has two halves:
 - the **memory head** (`memory_rows`): the target's activations of verified tokens -> memory rows. It runs where
@@ -59,7 +60,7 @@ class Drafter(nn.Module):
     def __init__(self, config, target: Target):
         super().__init__()
         self.config = config
-        self.training_record: dict | None = None  # set by load_drafter from config.json
+        self.training_record: dict | None = None  # set by models.registry.load_drafter from config.json
         self.target_fingerprint = target.weights_fingerprint
         self.target_name = target.name
         spec = target.spec
@@ -157,8 +158,13 @@ class Drafter(nn.Module):
                                  f"unexpected {unexpected}")
 
     # --- save / load ----------------------------------------------------------------------------------------
+    @staticmethod
+    def is_own(name: str) -> bool:
+        """Whether parameter `name` is the drafter's own (trained, saved), not one of the target's shared weights."""
+        return not name.startswith(SHARED_PREFIXES)
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+        return {k: v for k, v in self.state_dict().items() if self.is_own(k)}
 
     def save_pretrained(self, path: str | Path, dtype: torch.dtype = torch.float32, extra: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -179,64 +185,11 @@ class Drafter(nn.Module):
         (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def drafter_classes() -> dict[str, type[Drafter]]:
-    from models.eagle import EagleDrafter
-    from models.moa import MoADrafter
-
-    return {"moa": MoADrafter, "eagle": EagleDrafter}
-
-
-def read_drafter_config(path: str | Path) -> dict:
-    path = Path(path)
-    if not (path / CONFIG_FILE).exists():
-        raise FileNotFoundError(f"no drafter at {path}: {CONFIG_FILE} is missing")
-    return json.loads((path / CONFIG_FILE).read_text())
-
-
-def build_drafter(arch: str, target: Target, **sizes) -> Drafter:
-    """A fresh drafter of `arch` (moa | eagle) sized for `target`; `sizes` override config fields."""
-    classes = drafter_classes()
-    if arch not in classes:
-        raise ValueError(f"unknown drafter architecture {arch!r} (choose from {', '.join(classes)})")
-    cls = classes[arch]
-    config = cls.config_class.for_target(target.spec, **sizes)
-    return cls(config, target).to(target.dtype)
-
-
-def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = True) -> Drafter:
-    """Load a saved drafter for `target`; refuse one trained for another target."""
-    from safetensors.torch import load_file
-
-    from models.defaults import resolve_drafter_path
-
-    path = resolve_drafter_path(path)
-    meta = read_drafter_config(path)
-    if check_fingerprint and meta.get("target_fingerprint") != target.weights_fingerprint:
-        raise FingerprintMismatch(
-            f"drafter {path} was trained for target {meta.get('target')!r} (fingerprint "
-            f"{meta.get('target_fingerprint')}), but the loaded target is {target.name!r} "
-            f"(fingerprint {target.weights_fingerprint})"
-        )
-    cls = drafter_classes()[meta["arch"]]
-    drafter = cls(cls.config_class(**meta["config"]), target).to(device=target.device, dtype=target.dtype)
-    if meta.get("draft_vocab_size"):
-        drafter.set_draft_vocab(torch.arange(meta["draft_vocab_size"]))  # the real ids come with the weights
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(SHARED_PREFIXES)]
-    if missing or unexpected:
-        raise ValueError(f"drafter weights at {path} do not fit its config: missing {missing}, unexpected {unexpected}")
-    drafter.training_record = meta.get("training")
-    if drafter.draft_vocab is not None:
-        drafter.set_draft_vocab(drafter.draft_vocab)
-    return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-
-
 def trainable_parameters(drafter: Drafter) -> list[nn.Parameter]:
     """The drafter's own parameters (the shared target weights stay frozen); sets requires_grad accordingly."""
     params = []
     for name, p in drafter.named_parameters():
-        p.requires_grad_(not name.startswith(SHARED_PREFIXES))
+        p.requires_grad_(drafter.is_own(name))
         if p.requires_grad:
             params.append(p)
     return params

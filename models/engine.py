@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft
-from moa_core.drafting import DraftSession
+from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
@@ -113,8 +113,10 @@ class SpeculativeEngine:
     it (`predicted_s`)."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
-                 tree: TreeConfig | str = "auto", candidates: int = 16):
-        """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding)."""
+                 tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None):
+        """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
+        `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
+        Runtime graph); the drafter's memory head computes the memory rows either way."""
         if drafter == "lookup":
             from models.lookup import PromptLookup
 
@@ -122,7 +124,8 @@ class SpeculativeEngine:
         self.target = target
         self.proposer = drafter if isinstance(drafter, Proposer) else None
         self.drafter = None if self.proposer is not None else drafter
-        self.step = TorchDraftStep(self.drafter) if self.drafter is not None else None
+        self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
+        self.step = draft_step or self.memory_head
         self.candidates = candidates
         if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
@@ -152,7 +155,7 @@ class SpeculativeEngine:
         if self._costs is None:
             from models.costmodel import measure_costs
 
-            self._costs = measure_costs(self.target, self.step)
+            self._costs = measure_costs(self.target, self.memory_head)
         return self._costs
 
     @property
@@ -273,7 +276,7 @@ class SpeculativeEngine:
         step = TargetStep(None, torch.cat([s.hidden for _, s in behind]), torch.cat([s.keys for _, s in behind], 1),
                           torch.cat([s.values for _, s in behind], 1))
         base = len(session.tokens)
-        session.add_verified(tokens, self.step.memory_rows(step, list(range(base, base + len(tokens)))))
+        session.add_verified(tokens, self.memory_head.memory_rows(step, list(range(base, base + len(tokens)))))
         behind.clear()
 
     def _speculative_round(self, runner, session: DraftSession | None, context: list[int], root: int, sampling, g,
@@ -288,7 +291,7 @@ class SpeculativeEngine:
         verified = verify_tree(runner, root, tree, sampling, g)
         if session is not None:
             base = len(session.tokens)
-            rows = self.step.memory_rows(verified.step, list(range(base, base + 1 + len(verified.path))))
+            rows = self.memory_head.memory_rows(verified.step, list(range(base, base + 1 + len(verified.path))))
             session.accept(tree, root, verified.path, rows)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t

@@ -25,7 +25,8 @@ import torch
 from tqdm import tqdm
 
 from models.data import Encoded, load_encoded
-from models.target import Target, TargetStep, autocast, load_target
+from models.registry import load_target
+from models.target import Target, TargetStep, autocast
 
 INDEX = "index.json"
 PROGRESS = "progress.json"

@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from models.drafter import load_drafter
+    from models.registry import load_drafter, load_target
     from models.engine import SpeculativeEngine
-    from models.target import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""The Mixture-of-Attentions drafter (Zimmer et al., ICLR 2025), exactly as DESIGN.md §3 states it."""
+"""The Mixture-of-Attentions drafter (Zimmer et al., ICLR 2025), exactly as docs/design.md §3 states it."""
 
 from __future__ import annotations
 

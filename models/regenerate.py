@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from models.data import humaneval_chats, iter_source, normalize
-from models.target import load_target
+from models.registry import load_target
 
 ONPOLICY_PREFIX = "onpolicy-"
 

@@ -1,4 +1,4 @@
-"""Sync points and the masks that make one training pass on-policy (DESIGN.md §3).
+"""Sync points and the masks that make one training pass on-policy (docs/design.md §3).
 
 A sync point is a position whose target activations the drafter may use: at run time, after a verification
 that ends at position s, the drafter drafts s+1, s+2, ... with the memory frozen at s. Every non-response

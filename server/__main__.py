@@ -22,8 +22,7 @@ def load_model(config: ServerConfig) -> Model:
     """The target and the drafter's memory head, as configured."""
     import torch
 
-    from models.drafter import load_drafter
-    from models.target import load_target
+    from models.registry import load_drafter, load_target
     from server.session import Model
 
     if config.threads:

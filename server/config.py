@@ -64,7 +64,7 @@ class ServerConfig:
     port: int = 8765
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str = "none"  # none | int8 (models.target.load_target)
+    quantize: str = "none"  # none | int8 (models.registry.load_target)
     threads: int | None = None
     tokens: tuple[str, ...] = ()
     certfile: str | None = None

@@ -242,8 +242,7 @@ class Session:
         rows, rows_s = self._commit([root] + verified.accepted, verified.step, verified.next_token)
         self.model.metrics.accepted_tokens += len(verified.path)
         self.model.metrics.target_seconds += target_s + rows_s
-        accepted = [0] + [i + 1 for i in verified.path]
-        return self._reply(P.VERIFIED, {"seq": seq, "accepted": accepted, "next_token": verified.next_token,
+        return self._reply(P.VERIFIED, {"seq": seq, "accepted": P.encode_accepted(verified.path), "next_token": verified.next_token,
                                         "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
 
     def resume(self, length: int, tokens: list[int], policy: str, sampling: Sampling,

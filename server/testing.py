@@ -1,21 +1,17 @@
-"""Helpers for tests and benchmarks: a server in a background thread, a small synchronous protocol client and the
-edge's speculative loop in its simplest form. The real edge client is `edge_client.client`."""
+"""Helpers for tests and benchmarks: a server in a background thread and a small synchronous protocol client. The
+edge's session state and requests are `edge_client.core.EdgeCore`; its client is `edge_client.client`."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from websockets.sync.client import ClientConnection, connect
 
 from moa_core import protocol as P
-from moa_core.drafting import DraftSession, DraftStep
-from moa_core.generation import StopRule
-from moa_core.tree import TreeConfig
 from server.app import App
 
 
@@ -123,87 +119,3 @@ class Client:
         if msg.type == P.ERROR:
             raise ServerError(msg)
         return pieces, msg
-
-
-@dataclass
-class SpeculativeClient:
-    """The edge's loop: draft a tree with a `DraftSession`, verify it on the server, append what was accepted."""
-
-    client: Client
-    session_id: str
-    step: DraftStep
-    tree: TreeConfig
-    temperature: float = 0.0
-    seed: int = 0
-    tokens: list[int] = field(default_factory=list)  # committed transcript
-    rows: list[np.ndarray] = field(default_factory=list)  # memory rows of the committed tokens
-    root: int | None = None  # the pending next token
-    seq: int = 0
-    verifies: int = 0
-    draft: DraftSession | None = None
-
-    def __post_init__(self) -> None:
-        self.rng = np.random.default_rng(self.seed)
-
-    def _sampling(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": 1.0, "top_k": 0}
-
-    def _commit(self, tokens: list[int], reply: P.Message) -> None:
-        rows = P.decode_rows(reply.tensors)
-        self.tokens += tokens
-        self.rows.append(rows)
-        self.root = reply.fields["next_token"]
-        assert reply.fields["length"] == len(self.tokens), (reply.fields, len(self.tokens))
-
-    def rebuild(self) -> None:
-        """A fresh drafter state over the committed transcript (after a rewind)."""
-        self.draft = DraftSession(self.step)
-        self.draft.add_verified(self.tokens, np.concatenate(self.rows))
-
-    def prefill(self, prompt: list[int]) -> None:
-        self.seq += 1
-        reply = self.client.call(P.PREFILL, {"session_id": self.session_id, "seq": self.seq, **self._sampling()},
-                                 {"tokens": np.asarray(prompt, np.int32)})
-        self.tokens, self.rows = [], []
-        self._commit(list(prompt), reply)
-        self.rebuild()
-
-    def verify_frame(self) -> tuple[bytes, Any]:
-        """The next verify request (and its tree); the seq is used up."""
-        tree = self.draft.draft(self.root, self.tree, self.temperature, self.rng)
-        self.seq += 1
-        fields = {"session_id": self.session_id, "seq": self.seq, **self._sampling()}
-        return P.encode(P.VERIFY, fields, P.encode_tree(self.root, tree, with_q=self.temperature > 0)), tree
-
-    def apply(self, tree: Any, reply: P.Message) -> None:
-        """Take a `verified` reply for `tree`."""
-        if reply.type == P.ERROR:
-            raise ServerError(reply)
-        path = [i - 1 for i in reply.fields["accepted"][1:]]
-        new = [self.root] + [int(tree.tokens[i]) for i in path]
-        self.draft.accept(tree, self.root, path, P.decode_rows(reply.tensors))
-        self._commit(new, reply)
-        self.verifies += 1
-
-    def round(self) -> None:
-        frame, tree = self.verify_frame()
-        self.apply(tree, P.decode(self.client.exchange(frame)))
-
-    def resume(self, offline: list[int], policy: str) -> P.Message:
-        """Send `offline` tokens (pending root first) made since the committed length; rewind to what was kept."""
-        reply = self.client.call(P.RESUME, {"session_id": self.session_id, "length": len(self.tokens),
-                                            "policy": policy, **self._sampling()},
-                                 {"tokens": np.asarray(offline, np.int32)})
-        self._commit(offline[:reply.fields["accepted_upto"]], reply)
-        self.rebuild()
-        return reply
-
-    def continue_until(self, prompt_len: int, max_new_tokens: int, eos: set[int]) -> list[int]:
-        """Verify rounds until max_new_tokens or EOS; the generated tokens."""
-        while len(self.tokens) - prompt_len < max_new_tokens and not eos & set(self.tokens[prompt_len:]):
-            self.round()
-        return StopRule(eos).cut(self.tokens[prompt_len:], max_new_tokens)[0]
-
-    def generate(self, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-        self.prefill(prompt)
-        return self.continue_until(len(prompt), max_new_tokens, eos)

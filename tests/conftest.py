@@ -33,6 +33,6 @@ def real_target_dir():
 @pytest.fixture(scope="session")
 def real_target():
     """The real default target (SmolLM2-135M-Instruct), loaded once per test session."""
-    from models.target import load_target
+    from models.registry import load_target
 
     return load_target("default")

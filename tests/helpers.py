@@ -1,5 +1,5 @@
-"""Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted; a server that
-resets every connection."""
+"""Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted; the edge's
+I/O-free core driven over a plain protocol client; a server that resets every connection."""
 
 from __future__ import annotations
 
@@ -7,10 +7,17 @@ import socket
 import struct
 import threading
 
+import numpy as np
 import torch
 
+from edge_client.core import EdgeCore, Request, State, Stats
+from moa_core import protocol as P
+from moa_core.drafting import DraftStep
+from moa_core.generation import StopRule
+from moa_core.tree import TreeConfig
 from models.data import Encoded
-from models.drafter import build_drafter, trainable_parameters
+from models.drafter import trainable_parameters
+from models.registry import build_drafter
 from models.train import TrainConfig, collate, train_step_loss
 
 
@@ -43,6 +50,71 @@ def train_tiny(target, arch: str, steps: int = 150, seed: int = 0):
         loss.backward()
         opt.step()
     return drafter.eval().requires_grad_(False)
+
+
+class CoreClient:
+    """An `EdgeCore` driven over a `server.testing.Client`, one request and its reply at a time: the edge's session
+    state and requests without its reconnects and offline fallback (`edge_client.client` drives the same core).
+
+    `session_id` is the connection's own session (from its welcome); `client` may be replaced by a new connection."""
+
+    def __init__(self, client, session_id: str, step: DraftStep, row_width: int, tree: TreeConfig,
+                 temperature: float = 0.0, seed: int = 0, seq: int = 0, policy: str = "keep"):
+        self.client, self.link_session = client, session_id
+        self.core = EdgeCore(step, row_width, tree, policy, session_id=session_id, seq=seq)
+        self.sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0}
+        self.rng = np.random.default_rng(seed)
+        self.stats = Stats("speculative")  # over every generation of this client
+
+    @property
+    def committed(self) -> list[int]:
+        return self.core.tokens[:self.core.length]
+
+    def call(self, request: Request) -> P.Message:
+        """Send the request, return its reply; an `error` reply raises server.testing.ServerError."""
+        return self.reply(P.decode(self.client.exchange(request.frame)))
+
+    def reply(self, msg: P.Message) -> P.Message:
+        from server.testing import ServerError
+
+        if msg.type == P.ERROR:
+            raise ServerError(msg)
+        return msg
+
+    def apply(self, msg: P.Message) -> list[int]:
+        """Take a reply to the outstanding request."""
+        return self.core.on_reply(self.reply(msg))
+
+    def sync(self, lost: bool = False) -> P.Message:
+        """Bring the server up to the core's transcript; the last reply."""
+        self.core.begin_sync(self.link_session, lost)
+        while self.core.state is State.RESYNCING:
+            reply = self.call(self.core.sync_request())
+            self.core.on_reply(reply)
+        return reply
+
+    def prefill(self, prompt: list[int]) -> None:
+        """A new generation of `prompt`, synced."""
+        self.core.start(prompt, self.sampling, self.stats)
+        self.sync()
+
+    def resume(self, policy: str) -> P.Message:
+        """Back from offline: resume the offline tail under `policy`; the `resumed` reply."""
+        self.core.policy = policy
+        return self.sync()
+
+    def round(self) -> list[int]:
+        return self.apply(P.decode(self.client.exchange(self.core.verify_request(self.rng).frame)))
+
+    def continue_until(self, prompt_len: int, max_new_tokens: int, eos: set[int]) -> list[int]:
+        """Verify rounds until max_new_tokens or EOS; the generated (committed) tokens."""
+        while len(self.committed) - prompt_len < max_new_tokens and not eos & set(self.committed[prompt_len:]):
+            self.round()
+        return StopRule(eos).cut(self.committed[prompt_len:], max_new_tokens)[0]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+        self.prefill(prompt)
+        return self.continue_until(len(prompt), max_new_tokens, eos)
 
 
 class ResetServer:

@@ -32,7 +32,7 @@ def test_budget_stays_within_the_measured_sizes():
 
 
 def test_single_device_tree_auto_measures_and_picks(tiny, capsys):
-    from models.drafter import build_drafter
+    from models.registry import build_drafter
     from models.engine import SpeculativeEngine
 
     tree = SpeculativeEngine(tiny, build_drafter("moa", tiny), tree="auto").tree

@@ -22,7 +22,7 @@ from moa_core import protocol as P
 from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError, common_prefix
 from moa_core.drafting import OfflineGuard
 from export.to_onnx import export_bundle
-from models.target import load_target
+from models.registry import load_target
 from models.tiny import tiny_target
 from server.process import ServerProcess, free_port
 from tests.helpers import train_tiny

@@ -16,9 +16,8 @@ from moa_core.drafting import DraftSession
 from edge_client.runtime import OrtDraftStep, choose_providers
 from moa_core.tree import TreeConfig
 from export.to_onnx import ExportError, export_bundle
-from models.drafter import build_drafter, load_drafter
+from models.registry import build_drafter, load_drafter, load_target
 from models.engine import TorchDraftStep
-from models.target import load_target
 from models.verify import verify_tree
 from tests.test_edge_import import run_blocked
 

@@ -19,7 +19,7 @@ import torch
 
 from edge_client.client import EdgeSession, Link, LinkDown
 from export.to_onnx import export_bundle
-from models.drafter import build_drafter
+from models.registry import build_drafter
 from server.process import ServerProcess
 from tests.helpers import ResetServer
 from tests.test_client import FAST_BACKOFF, NEW, PROMPT, TOKEN, TREE, apply, edge_cli, pull_until, varied_target, \

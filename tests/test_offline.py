@@ -13,7 +13,7 @@ import torch
 from bench.__main__ import main
 from bench.offline import Continuer, newline_run, repeated_ngrams, score
 from moa_core.drafting import OfflineGuard
-from models.drafter import build_drafter
+from models.registry import build_drafter
 from tests.helpers import train_tiny
 
 

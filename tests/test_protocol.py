@@ -207,11 +207,16 @@ def test_rows_round_trip_within_bounds():
     assert (back[0] == 0).all() and np.abs(i8["rows"]).max() <= 127
 
 
+def row_bytes(row_width: int, dtype: str) -> int:
+    """Payload bytes per token of memory rows (docs/protocol.md): R*2 in fp16, R+4 in int8 (the float32 scale)."""
+    return row_width * 2 if dtype == "fp16" else row_width + 4
+
+
 def test_rows_bytes_per_token_and_errors():
     rows = np.ones((5, 96), np.float32)
     for dtype in P.ROW_DTYPES:
         payload = sum(a.nbytes for a in P.encode_rows(rows, dtype).values())
-        assert payload == 5 * P.row_bytes(96, dtype)
+        assert payload == 5 * row_bytes(96, dtype)
     assert P.decode_rows(P.encode_rows(np.zeros((0, 4)), "int8")).shape == (0, 4)
     with pytest.raises(ValueError):
         P.encode_rows(rows, "bf16")

@@ -29,14 +29,14 @@ from websockets.exceptions import ConnectionClosed
 
 from moa_core import protocol as P
 from moa_core.tree import TreeConfig
-from models.drafter import build_drafter, load_drafter
+from models.registry import build_drafter, load_drafter, load_target
 from models.engine import SpeculativeEngine, TorchDraftStep
-from models.target import load_target
 from server.app import App
 from server.config import Limits
 from server.process import ServerProcess
 from server.session import Model
-from server.testing import Client, ServerThread, SpeculativeClient
+from server.testing import Client, ServerThread
+from tests.helpers import CoreClient
 
 TOKENS = [f"token-{i}" for i in range(17)]
 ALICE, BOB, LOAD, HELD, QUOTA_TOKEN = TOKENS[0], TOKENS[1], TOKENS[2:6], TOKENS[6:16], TOKENS[16]
@@ -96,9 +96,9 @@ def prompt(i: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(100 + i).integers(3, 90, 8)]
 
 
-def edge(server: ServerProcess, token: str, fingerprint: str, step: TorchDraftStep) -> SpeculativeClient:
+def edge(server: ServerProcess, token: str, fingerprint: str, step: TorchDraftStep) -> CoreClient:
     client = Client(server.url, token, timeout=WAIT_S)
-    return SpeculativeClient(client, client.hello(fingerprint).fields["session_id"], step, TREE)
+    return CoreClient(client, client.hello(fingerprint).fields["session_id"], step, step.drafter.row_width, TREE)
 
 
 def solo(server, fingerprint, step, p: list[int], token: str = ALICE) -> list[int]:
@@ -107,7 +107,7 @@ def solo(server, fingerprint, step, p: list[int], token: str = ALICE) -> list[in
     try:
         return sc.generate(p, NEW, set())
     finally:
-        sc.client.ws.send(P.encode(P.CLOSE, {"session_id": sc.session_id}))
+        sc.client.ws.send(P.encode(P.CLOSE, {"session_id": sc.core.session_id}))
         sc.client.close()
 
 
@@ -274,7 +274,7 @@ def test_fuzzed_frames_get_typed_errors_and_the_session_goes_on(server, fingerpr
     assert health(server)["status"] == "ok" and codes.get(P.VERIFIED) and codes.get(P.PREFILLED)
 
     client.close()
-    fuzzed = SpeculativeClient(anchor, sid, step, TREE, seq=2 ** 63 - 100)  # above any seq the fuzz sent
+    fuzzed = CoreClient(anchor, sid, step, step.drafter.row_width, TREE, seq=2 ** 63 - 100)  # above any fuzzed seq
     assert fuzzed.generate(prompt(0), NEW, set()) == solo(server, fingerprint, step, prompt(0))
     anchor.close()
 
@@ -290,9 +290,9 @@ def test_named_bad_inputs(server, fingerprint, step):
              (deep_frame(), P.E_MALFORMED),
              (raw({"type": "ping", "v": 1, "fields": {}}).replace(b"{}", b'{"t": 1e400}'), P.E_MALFORMED),
              (raw({"type": "ping", "v": 1, "fields": {}}).replace(b"{}", b'{"t": 1' + b"0" * 30 + b"}"), P.E_MALFORMED),
-             (P.encode(P.PREFILL, {"session_id": sc.session_id, "seq": sc.seq}, {"tokens": np.array([5], np.int32)}),
-              P.E_BAD_REQUEST),  # the seq of the last verify
-             (P.encode(P.PREFILL, {"session_id": sc.session_id, "seq": sc.seq + 1, "temperature": 5e-324},
+             (P.encode(P.PREFILL, {"session_id": sc.core.session_id, "seq": sc.core.seq},
+                       {"tokens": np.array([5], np.int32)}), P.E_BAD_REQUEST),  # the seq of the last verify
+             (P.encode(P.PREFILL, {"session_id": sc.core.session_id, "seq": sc.core.seq + 1, "temperature": 5e-324},
                        {"tokens": np.array([5, 6], np.int32)}), P.E_BAD_REQUEST)]
     for frame, code in cases:
         reply = P.decode(c.exchange(frame))
@@ -301,8 +301,8 @@ def test_named_bad_inputs(server, fingerprint, step):
 
     c.ws.send(P.encode(P.CLOSE, {}))  # the connection's own session: it may say hello again
     welcome = c.hello(fingerprint)
-    assert welcome.fields["session_id"] != sc.session_id
-    sc.session_id = welcome.fields["session_id"]
+    assert welcome.fields["session_id"] != sc.core.session_id
+    sc.link_session = welcome.fields["session_id"]
     assert sc.generate(prompt(1), NEW, set()) == solo(server, fingerprint, step, prompt(1))
     c.close()
 
@@ -321,14 +321,14 @@ def test_internal_error_half_way_keeps_the_session(target, drafter_dir, step):
 
     expected = SpeculativeEngine(target, None).generate(prompt(2), max_new_tokens=NEW).token_ids
     with ServerThread(App(model)) as srv, Client(srv.url) as c:
-        sc = SpeculativeClient(c, c.hello(model.fingerprint).fields["session_id"], step, TREE)
+        sc = CoreClient(c, c.hello(model.fingerprint).fields["session_id"], step, drafter.row_width, TREE)
         sc.prefill(prompt(2))
         sc.round()
-        frame, tree = sc.verify_frame()
+        frame = sc.core.verify_request(sc.rng).frame
         model.memory_head.memory_rows = failing
         reply = P.decode(c.exchange(frame))
         assert reply.fields["code"] == P.E_INTERNAL and reply.fields["retry"] is True, reply.fields
-        sc.apply(tree, P.decode(c.exchange(frame)))  # the same request again: the session is as it was
+        sc.apply(P.decode(c.exchange(frame)))  # the same request again: the session is as it was
         assert sc.continue_until(len(prompt(2)), NEW, set()) == expected
 
 
@@ -347,14 +347,14 @@ def test_long_prefill_does_not_hold_the_compute_lane(server, fingerprint, step):
     """A 4,000-token prefill (within limits) and another client's verify: the verify is answered first."""
     sc = edge(server, BOB, fingerprint, step)
     sc.prefill(prompt(3))
-    frame, tree = sc.verify_frame()
+    frame = sc.core.verify_request(sc.rng).frame
     with Client(server.url, ALICE, timeout=WAIT_S) as hog:
         hog.hello(fingerprint)
         hog.ws.send(P.encode(P.PREFILL, {"seq": 1}, {"tokens": np.arange(4000, dtype=np.int32) % 90 + 3}))
         for _ in range(10_000):  # until the prefill is in the compute lane
             if health(server)["queue"]:
                 break
-        sc.apply(tree, P.decode(sc.client.exchange(frame)))
+        sc.apply(P.decode(sc.client.exchange(frame)))
         with pytest.raises(TimeoutError):
             hog.ws.recv(0)  # the long prefill is still running
         assert P.decode(hog.ws.recv(WAIT_S)).type == P.PREFILLED
@@ -433,7 +433,7 @@ def test_no_hello_is_closed(server):
 def test_quota_and_isolation_between_credentials(server, fingerprint, step):
     mine = edge(server, QUOTA_TOKEN, fingerprint, step)
     mine.prefill(prompt(4))
-    sid = mine.session_id
+    sid = mine.core.session_id
     extra = [Client(server.url, QUOTA_TOKEN, timeout=WAIT_S) for _ in range(QUOTA - 1)]
     for c in extra:
         c.hello(fingerprint)
@@ -442,7 +442,7 @@ def test_quota_and_isolation_between_credentials(server, fingerprint, step):
         assert reply.fields["code"] == P.E_BUSY and reply.fields["retry"] is True and "sessions" in reply.fields["message"]
     with Client(server.url, BOB, timeout=WAIT_S) as other:  # another credential is not held back, nor let in
         other.hello(fingerprint)
-        tree = {"tokens": np.array([mine.root], np.int32), "parents": np.array([-1], np.int32)}
+        tree = {"tokens": np.array([mine.core.pending], np.int32), "parents": np.array([-1], np.int32)}
         for msg_type, fields, tensors in [
                 (P.VERIFY, {"session_id": sid, "seq": 10 ** 6, "temperature": 0, "top_p": 1.0, "top_k": 0}, tree),
                 (P.PREFILL, {"session_id": sid, "seq": 10 ** 6}, {"tokens": np.array([5], np.int32)}),

@@ -24,8 +24,8 @@ from server.auth import Credentials, bearer, load_tokens
 from server.config import Limits, build_parser, parse_args
 from server.process import ServerProcess
 from server.session import Model
-from server.testing import Client, ServerError, ServerThread, SpeculativeClient
-from tests.helpers import greedy_continuations, train_tiny
+from server.testing import Client, ServerError, ServerThread
+from tests.helpers import CoreClient, greedy_continuations, train_tiny
 
 TREE = TreeConfig(4, 2, 8)
 NEW = 40
@@ -68,9 +68,9 @@ def vanilla(tiny, prompts):
     return {tuple(p): engine.generate(p, max_new_tokens=NEW).token_ids for p in prompts}
 
 
-def edge(client: Client, model: Model, drafter, **kw) -> SpeculativeClient:
+def edge(client: Client, model: Model, drafter, **kw) -> CoreClient:
     welcome = client.hello(model.fingerprint, kw.pop("row_dtype", "fp16"))
-    return SpeculativeClient(client, welcome.fields["session_id"], TorchDraftStep(drafter), TREE, **kw)
+    return CoreClient(client, welcome.fields["session_id"], TorchDraftStep(drafter), drafter.row_width, TREE, **kw)
 
 
 def expect_error(client: Client, frame: bytes | str, code: str) -> P.Message:
@@ -127,9 +127,9 @@ def test_prefill_verify_equals_vanilla(server, model, drafter, prompts, vanilla,
         tokens = 0
         for p in prompts:
             assert sc.generate(p, NEW, tiny.eos_token_ids) == vanilla[tuple(p)]
-            tokens += len(sc.tokens) - len(p)
-        assert sc.verifies < 0.6 * tokens  # the drafter really gets paths accepted
-        assert all(r.shape[1] == drafter.row_width for r in sc.rows)
+            tokens += len(sc.committed) - len(p)
+        assert sc.stats.verify_calls < 0.6 * tokens  # the drafter really gets paths accepted
+        assert sc.core.rows.shape[1] == drafter.row_width
 
 
 def test_generate_streams_vanilla_output(server, prompts, vanilla, tiny):
@@ -155,10 +155,10 @@ def test_retry_gets_the_cached_reply(server, model, drafter, prompts, vanilla, t
     with Client(server.url, "alice") as c:
         sc = edge(c, model, drafter)
         sc.prefill(prompts[1])
-        frame, tree = sc.verify_frame()
+        frame = sc.core.verify_request(sc.rng).frame
         first = c.exchange(frame)
         assert c.exchange(frame) == first  # the reply was lost: the same seq gets the same bytes, state untouched
-        sc.apply(tree, P.decode(first))
+        sc.apply(P.decode(first))
         assert sc.continue_until(len(prompts[1]), NEW, tiny.eos_token_ids) == vanilla[tuple(prompts[1])]
 
 
@@ -172,13 +172,14 @@ def test_bad_input_gets_typed_errors_and_the_session_goes_on(server, model, draf
     prompt, V = prompts[2], tiny.spec.vocab_size
     c = Client(server.url, "alice")
     sc = edge(c, model, drafter)
-    sid = sc.session_id
+    sid = sc.link_session
     sc.prefill(prompt)
     sc.round()
     sc.round()
-    frame, tree = sc.verify_frame()  # the good request, sent at the end
-    fields = {"session_id": sid, "seq": sc.seq, "temperature": 0, "top_p": 1.0, "top_k": 0}
-    good = P.encode_tree(sc.root, tree, with_q=True)
+    request = sc.core.verify_request(sc.rng)  # the good request, sent at the end
+    frame, root, seq = request.frame, sc.core.pending, sc.core.seq
+    fields = {"session_id": sid, "seq": seq, "temperature": 0, "top_p": 1.0, "top_k": 0}
+    good = P.encode_tree(root, request.tree, with_q=True)
 
     def verify(tensors=None, **over):
         return P.encode(P.VERIFY, {**fields, **over}, {**good, **(tensors or {})})
@@ -188,7 +189,7 @@ def test_bad_input_gets_typed_errors_and_the_session_goes_on(server, model, draf
         a[i] = value
         return {name: a}
 
-    chain = {"tokens": np.full(40, sc.root, np.int32), "parents": np.arange(-1, 39, dtype=np.int32)}
+    chain = {"tokens": np.full(40, root, np.int32), "parents": np.arange(-1, 39, dtype=np.int32)}
     cases = [
         (b"garbage", P.E_MALFORMED),
         ("a text frame", P.E_MALFORMED),
@@ -205,20 +206,20 @@ def test_bad_input_gets_typed_errors_and_the_session_goes_on(server, model, draf
         (verify(with_("parents", 0, 0)), P.E_BAD_TREE),
         (verify(with_("parents", 2, 2)), P.E_BAD_TREE),
         (verify({"parents": good["parents"][:-1]}), P.E_BAD_TREE),
-        (verify(with_("tokens", 0, (sc.root + 1) % V)), P.E_BAD_TREE),  # root is not the pending next token
+        (verify(with_("tokens", 0, (root + 1) % V)), P.E_BAD_TREE),  # root is not the pending next token
         (P.encode(P.VERIFY, {**fields, "temperature": 0.7}, {k: good[k] for k in ("tokens", "parents")}),
          P.E_BAD_TREE),
         (verify({"q_probs": good["q_probs"][:-1]}, temperature=0.7), P.E_BAD_TREE),
         (verify(with_("q_probs", (0, 0), np.nan), temperature=0.7), P.E_BAD_TREE),
         (verify(chain), P.E_LIMIT),
         (verify(session_id="no-such-session"), P.E_UNKNOWN_SESSION),
-        (verify(seq=sc.seq - 2), P.E_BAD_REQUEST),  # stale
-        (P.encode(P.PREFILL, {"session_id": sid, "seq": sc.seq}, {"tokens": np.ones(300, np.int32)}), P.E_LIMIT),
-        (P.encode(P.PREFILL, {"session_id": sid, "seq": sc.seq}, {"tokens": np.array([5, -1], np.int32)}),
+        (verify(seq=seq - 2), P.E_BAD_REQUEST),  # stale
+        (P.encode(P.PREFILL, {"session_id": sid, "seq": seq}, {"tokens": np.ones(300, np.int32)}), P.E_LIMIT),
+        (P.encode(P.PREFILL, {"session_id": sid, "seq": seq}, {"tokens": np.array([5, -1], np.int32)}),
          P.E_OUT_OF_VOCAB),
-        (P.encode(P.PREFILL, {"session_id": sid, "seq": sc.seq}, {"tokens": np.zeros(0, np.int32)}), P.E_BAD_REQUEST),
+        (P.encode(P.PREFILL, {"session_id": sid, "seq": seq}, {"tokens": np.zeros(0, np.int32)}), P.E_BAD_REQUEST),
         (P.encode(P.RESUME, {"session_id": sid, "length": 10 ** 6, "policy": "keep"},
-                  {"tokens": np.array([sc.root], np.int32)}), P.E_UNKNOWN_SESSION),
+                  {"tokens": np.array([root], np.int32)}), P.E_UNKNOWN_SESSION),
         (P.encode(P.GENERATE, {"max_new_tokens": 1000, "temperature": 0, "top_p": 1.0, "top_k": 0, "drafter": "none"},
                   {"tokens": np.array(prompt, np.int32)}), P.E_LIMIT),
         (P.encode(P.HELLO, {"fingerprint": model.fingerprint, "client": "t", "row_dtype": "fp16"}), P.E_BAD_REQUEST),
@@ -226,7 +227,7 @@ def test_bad_input_gets_typed_errors_and_the_session_goes_on(server, model, draf
     for bad, code in cases:
         reply = expect_error(c, bad, code)
         assert reply.fields["message"] and reply.fields["retry"] is False
-    assert expect_error(c, verify(seq=sc.seq - 2), P.E_BAD_REQUEST).fields["seq"] == sc.seq - 2
+    assert expect_error(c, verify(seq=seq - 2), P.E_BAD_REQUEST).fields["seq"] == seq - 2
 
     with Client(server.url, "bob") as other:  # bob cannot use alice's session
         other.hello(model.fingerprint)
@@ -246,7 +247,7 @@ def test_bad_input_gets_typed_errors_and_the_session_goes_on(server, model, draf
     expect_closed(c, 1008)
     sc.client = Client(server.url, "alice")  # the session outlives the connection
     sc.client.hello(model.fingerprint)
-    sc.apply(tree, P.decode(sc.client.exchange(frame)))
+    sc.apply(P.decode(sc.client.exchange(frame)))
     assert sc.continue_until(len(prompt), NEW, tiny.eos_token_ids) == vanilla[tuple(prompt)]
     sc.client.close()
 
@@ -355,22 +356,24 @@ def test_resume_after_dropped_connection(server, model, drafter, prompts, vanill
     sc.prefill(prompt)
     sc.round()
     sc.client.close()  # link lost: the edge goes on alone with frozen memory
-    offline, tok = [sc.root], sc.root
+    sc.core.go_offline()
     for _ in range(4):
-        tok = sc.draft.next_token(tok)
-        offline.append(tok)
+        sc.core.offline_token(0.0, None, None)
+    offline = sc.core.tokens[sc.core.length:]  # the pending root and the offline tokens
     sc.client = Client(server.url, "alice")
     sc.client.hello(model.fingerprint)  # a new connection, the same session
-    reply = sc.resume(offline, "verify")
+    reply = sc.resume("verify")
     assert 1 <= reply.fields["accepted_upto"] <= len(offline) and reply.tensors["rows"].shape[0] == \
         reply.fields["accepted_upto"]
     assert sc.continue_until(len(prompt), NEW, tiny.eos_token_ids) == vanilla[tuple(prompt)]
 
-    kept = [sc.root, 7, 8, 9]  # policy keep: whatever the edge showed becomes the transcript
-    reply = sc.resume(kept, "keep")
-    assert reply.fields["accepted_upto"] == 4 and sc.tokens[-4:] == kept
-    expected = SpeculativeEngine(tiny, None).generate(list(sc.tokens), max_new_tokens=12).token_ids
-    assert sc.continue_until(len(sc.tokens), 12, tiny.eos_token_ids) == expected
+    sc.core.go_offline()  # policy keep: whatever the edge showed becomes the transcript
+    sc.core.tokens += [7, 8, 9]
+    kept = sc.core.tokens[sc.core.length:]  # the pending root, 7, 8, 9
+    reply = sc.resume("keep")
+    assert reply.fields["accepted_upto"] == 4 and sc.committed[-4:] == kept
+    expected = SpeculativeEngine(tiny, None).generate(list(sc.committed), max_new_tokens=12).token_ids
+    assert sc.continue_until(len(sc.committed), 12, tiny.eos_token_ids) == expected
     sc.client.close()
 
 
@@ -385,11 +388,12 @@ def test_expired_session_and_max_sessions(model, drafter, prompts, vanilla, tiny
         time.sleep(1.0)
         sc.client = c = Client(srv.url)
         welcome = c.hello(model.fingerprint)
-        expect_error(c, P.encode(P.RESUME, {"session_id": sc.session_id, "length": len(sc.tokens), "policy": "keep"},
-                                 {"tokens": np.array([sc.root], np.int32)}), P.E_UNKNOWN_SESSION)
-        expect_error(c, sc.verify_frame()[0], P.E_UNKNOWN_SESSION)
-        sc.session_id = welcome.fields["session_id"]  # lost session: re-feed the transcript to a new one
-        sc.prefill(sc.tokens)
+        expect_error(c, P.encode(P.RESUME, {"session_id": sc.core.session_id, "length": sc.core.length,
+                                            "policy": "keep"}, {"tokens": np.array([sc.core.pending], np.int32)}),
+                     P.E_UNKNOWN_SESSION)
+        expect_error(c, sc.core.verify_request(sc.rng).frame, P.E_UNKNOWN_SESSION)
+        sc.link_session = welcome.fields["session_id"]  # lost session: re-feed the transcript to a new one
+        sc.sync(lost=True)
         assert sc.continue_until(len(prompt), NEW, tiny.eos_token_ids) == vanilla[tuple(prompt)]
 
         second = Client(srv.url)
@@ -407,7 +411,7 @@ def test_expired_session_and_max_sessions(model, drafter, prompts, vanilla, tiny
 # ---- the real default target --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_target_prefill_verify_equals_vanilla(real_target):
-    from models.drafter import build_drafter, load_drafter
+    from models.registry import build_drafter, load_drafter
     from models.defaults import DEFAULTS_DIR
 
     prompts = [real_target.encode_chat([{"role": "user", "content": q}])

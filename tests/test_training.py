@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.data import token_frequencies
-from models.drafter import build_drafter, load_drafter
+from models.registry import build_drafter, load_drafter
 from models.features import FeatureCache, build_cache, main as features_main
 from models.regenerate import greedy_batch
 from models.train import TrainConfig, collate, main as train_main, train_step_loss
