@@ -73,6 +73,7 @@ class LinkProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
+        self._tasks: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True, name="link-proxy")
 
     @property
@@ -90,8 +91,14 @@ class LinkProxy:
         self._ready.set()
         async with server:
             await self._stop.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         try:
             server_r, server_w = await asyncio.open_connection(self.host, self.port)
         except OSError:
