@@ -89,6 +89,26 @@ def test_packed_forward_equals_solo_forwards(tiny):
             torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=1e-12)
 
 
+def test_int8_packed_forward_is_bitwise_the_solo_forward():
+    """Int8 Linear layers scale each token on its own and accumulate exactly, attention runs per sequence: a batched
+    forward of an int8 float32 target is bit for bit each sequence's solo forward (fp32 ones differ by ~1e-6)."""
+    from models.tiny import tiny_target
+
+    target = tiny_target(dtype=torch.float32, seed=2)
+    target.quantize_int8()
+    contexts, news = [[5, 6, 7], [9, 10, 11, 12, 13]], [[20, 21], [22]]
+    solo, packed = [], [target.new_runner() for _ in contexts]
+    for c, n in zip(contexts, news):
+        r = target.new_runner()
+        r.forward(c)
+        solo.append(r.forward(n))
+    for r, c in zip(packed, contexts):
+        r.forward(c)
+    steps = forward_packed(target, [(r, r.request(n)) for r, n in zip(packed, news)])
+    for a, b in zip(solo, steps):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.keys, b.keys) and torch.equal(a.hidden, b.hidden)
+
+
 def test_a_failing_request_fails_alone_and_leaves_every_cache_as_it_was(tiny):
     """Three requests in one batch, one with a token id out of range (only validation keeps them out of a real
     server): the batch is undone and run request by request; the two good ones get their solo results."""
