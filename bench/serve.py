@@ -135,7 +135,9 @@ def figures(run: dict, before: dict[str, float], after: dict[str, float]) -> dic
 
 
 def run_serve(config: ServeConfig, prompts: list[Prompt]) -> dict:
-    """Every batching mode x link x client count x method; results.json's content."""
+    """Every link x method x client count x batching mode; results.json's content. The batching modes run side by
+    side (one server per drafter and mode, all started first) and alternate run by run, so that drift in machine
+    load hits them alike."""
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
@@ -146,38 +148,44 @@ def run_serve(config: ServeConfig, prompts: list[Prompt]) -> dict:
     outputs: dict[tuple, list[int]] = {}
     bar = tqdm(total=len(config.batching) * len(config.links) * len(config.clients) * len(config.methods),
                unit="run", desc="serve", disable=not config.progress)
-    for mode in config.batching:
-        with ExitStack() as servers:
-            procs = {}
+    with ExitStack() as servers:
+        procs = {}
+        for mode in config.batching:
             for d in drafters:  # one after the other: each times its target at start, undisturbed
                 args = ["--drafter", config.drafters.get(d, d), "--batching", mode, "--quantize", config.quantize,
-                        "--log-level", "warning", "--max-sessions", str(4 * widest + 8), *config.server_args]
-                procs[d] = servers.enter_context(ServerProcess(args + (["--threads", str(config.threads)]
-                                                                       if config.threads else [])))
-            for link in config.links:
-                with ExitStack() as stack:
-                    proxies = {d: stack.enter_context(LinkProxy("127.0.0.1", p.port, link)) for d, p in procs.items()}
-                    sessions = {m: [stack.enter_context(EdgeSession(
-                        bundles[DRAFTER_OF[m]], proxies[DRAFTER_OF[m]].url, config.token,
-                        mode="api" if m == "api" else "speculative", tree=config.tree, threads=config.edge_threads))
-                        for _ in range(widest)] for m in config.methods}
-                    for m in config.methods:  # warm-up: one short generation per method
-                        run_clients(sessions[m][:1], prompts, 8)
-                    for n in config.clients:
-                        for m in config.methods:
-                            bar.set_postfix_str(f"batching {mode} {link.name} {n} clients {m}")
-                            port = procs[DRAFTER_OF[m]].port
-                            before = scrape(port)
-                            run = run_clients(sessions[m][:n], prompts, config.max_new_tokens)
-                            fig = figures(run, before, scrape(port))
-                            for i, c in enumerate(run["clients"]):
-                                outputs[mode, link.name, n, m, i] = c["tokens"]
-                            ref = [outputs.get((mode, link.name, n, "api", i)) for i in range(n)]
-                            fig["outputs_match_api"] = (sum(c["tokens"] == r for c, r in zip(run["clients"], ref))
-                                                        / n if all(r is not None for r in ref) else None)
-                            rows.append({"batching": mode, "link": link.name, "method": m, **fig})
-                            bar.update()
+                        "--log-level", "warning", "--max-sessions", str(2 * widest + 8), *config.server_args]
+                procs[mode, d] = servers.enter_context(ServerProcess(args + (["--threads", str(config.threads)]
+                                                                             if config.threads else [])))
+        for link in config.links:
+            with ExitStack() as proxies_stack:
+                proxies = {k: proxies_stack.enter_context(LinkProxy("127.0.0.1", p.port, link))
+                           for k, p in procs.items()}
+                for m in config.methods:
+                    d = DRAFTER_OF[m]
+                    with ExitStack() as stack:
+                        sessions = {mode: [stack.enter_context(EdgeSession(
+                            bundles[d], proxies[mode, d].url, config.token, mode="api" if m == "api" else
+                            "speculative", tree=config.tree, threads=config.edge_threads)) for _ in range(widest)]
+                            for mode in config.batching}
+                        for mode in config.batching:  # warm-up: one short generation
+                            run_clients(sessions[mode][:1], prompts, 8)
+                        for n in config.clients:
+                            for mode in config.batching:
+                                bar.set_postfix_str(f"{link.name} {m} {n} clients batching {mode}")
+                                port = procs[mode, d].port
+                                before = scrape(port)
+                                run = run_clients(sessions[mode][:n], prompts, config.max_new_tokens)
+                                fig = figures(run, before, scrape(port))
+                                for i, c in enumerate(run["clients"]):
+                                    outputs[mode, link.name, n, m, i] = c["tokens"]
+                                ref = [outputs.get((mode, link.name, n, "api", i)) for i in range(n)]
+                                fig["outputs_match_api"] = (sum(c["tokens"] == r for c, r in zip(run["clients"], ref))
+                                                            / n if all(r is not None for r in ref) else None)
+                                rows.append({"batching": mode, "link": link.name, "method": m, **fig})
+                                bar.update()
     bar.close()
+    rows.sort(key=lambda r: (config.links.index(next(p for p in config.links if p.name == r["link"])),
+                             r["clients"], config.methods.index(r["method"]), config.batching.index(r["batching"])))
     return {"settings": {"benchmark": "serve", "machine": machine(), "date": now(), "prompts": len(prompts),
                          **{k: v for k, v in asdict(config).items() if k not in ("links", "progress")},
                          "links": {p.name: str(p) for p in config.links}, "bundles": bundles},
