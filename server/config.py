@@ -22,7 +22,7 @@ endpoints (one port):
                        target seconds, bytes in/out, compute queue, busy seconds, target forwards;
                        batching: moa_batch_size, moa_batch_tokens, moa_batch_queue_seconds,
                        moa_batch_forward_seconds (histograms); speculation: moa_spec_decode_num_drafts_total,
-                       moa_spec_decode_num_accepted_tokens_per_pos_total{position}, moa_spec_decode_acceptance_length
+                       moa_spec_decode_num_accepted_tokens_per_pos_total{{position}}, moa_spec_decode_acceptance_length
 
 authentication:
   Tokens come from --tokens-file (one per line, # comments) and ${TOKENS_ENV} (comma-separated). Clients send
