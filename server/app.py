@@ -220,8 +220,9 @@ class App:
                m.target_seconds)
         metric("bytes_in_total", "counter", "Websocket payload bytes received.", m.bytes_in)
         metric("bytes_out_total", "counter", "Websocket payload bytes sent.", m.bytes_out)
-        metric("busy_seconds_total", "counter", "Wall seconds with at least one computation in flight.",
-               m.busy_seconds)
+        with self._busy:
+            busy = m.busy_seconds + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
+        metric("busy_seconds_total", "counter", "Wall seconds with at least one computation in flight.", busy)
         metric("target_forwards_total", "counter", "Target forwards run (a batched one serves several sessions).",
                self.model.target.forwards)
         # speculation (vLLM's spec_decode_* names)
