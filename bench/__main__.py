@@ -230,8 +230,9 @@ def serve(args: argparse.Namespace) -> None:
     if args.token:
         os.environ.setdefault("MOA_TOKENS", args.token)  # the servers started here accept it
     prompts = load_prompts(args.prompts, args.limit, args.heldout)
-    results = run_serve(config, prompts)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_serve(config, prompts, partial=out / "partial.jsonl")
     write(results, out)
     write_prompts(prompts, out / "prompts.jsonl")
     print(markdown(results))

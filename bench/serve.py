@@ -134,7 +134,7 @@ def figures(run: dict, before: dict[str, float], after: dict[str, float]) -> dic
                                 if delta("moa_batch_size_count") else None)}
 
 
-def run_serve(config: ServeConfig, prompts: list[Prompt]) -> dict:
+def run_serve(config: ServeConfig, prompts: list[Prompt], partial: Path | None = None) -> dict:
     """Every link x method x client count x batching mode; results.json's content. The batching modes run side by
     side (one server per drafter and mode, all started first) and alternate run by run, so that drift in machine
     load hits them alike."""
@@ -182,6 +182,9 @@ def run_serve(config: ServeConfig, prompts: list[Prompt]) -> dict:
                                 fig["outputs_match_api"] = (sum(c["tokens"] == r for c, r in zip(run["clients"], ref))
                                                             / n if all(r is not None for r in ref) else None)
                                 rows.append({"batching": mode, "link": link.name, "method": m, **fig})
+                                if partial is not None:
+                                    with partial.open("a") as f:
+                                        f.write(json.dumps(rows[-1]) + "\n")
                                 bar.update()
     bar.close()
     rows.sort(key=lambda r: (config.links.index(next(p for p in config.links if p.name == r["link"])),

@@ -4,9 +4,11 @@ Every `TargetRunner` made with a `Batcher` hands its forwards to it (`TargetRunn
 and blocks until they are done; everything around the forward (tree acceptance, sampling, memory rows) stays in the
 caller's thread, so the per-sequence code is the same whether it runs alone or in a batch. One scheduler thread
 takes the waiting requests in arrival order, up to `max_batch_tokens` new tokens and `max_batch_size` sequences,
-and runs them as one packed forward (`models.target.forward_packed`). When the target is idle it waits at most
-`max_wait_s` after the first request for more, and not at all once every operation in flight (`begin`/`end`) has
-its request in: a lone client pays no wait. A batch that fails is undone and its requests run one by one, so one
+and runs them as one packed forward (`models.target.forward_packed`). Before a forward it waits for the operations
+in flight (`begin`/`end`) that have no request in yet, at most `max_wait_s` and at most a quarter of the last
+forward's duration (`WAIT_SHARE`: streams that decode in lockstep stay in one batch instead of drifting into a
+pipeline of small ones, for a bounded share of a forward), and not at all once every operation in flight has its
+request in: a lone client pays no wait. A batch that fails is undone and its requests run one by one, so one
 sequence's failure reaches that sequence only.
 """
 
@@ -17,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from models.target import ForwardRequest, Target, TargetRunner, TargetStep, forward_packed
+
+WAIT_SHARE = 0.25  # the longest wait for stragglers, as a share of the last forward's duration
 
 
 @dataclass
@@ -70,15 +74,18 @@ class _Pending:
 class Batcher:
     """The scheduler: `forward` from any thread, one packed forward at a time on the scheduler thread."""
 
-    def __init__(self, target: Target, max_wait_s: float = 0.002, max_batch_tokens: int = 512,
-                 max_batch_size: int = 64):
+    def __init__(self, target: Target, max_wait_s: float = 0.02, max_batch_tokens: int = 512,
+                 max_batch_size: int = 64, wait_share: float | None = WAIT_SHARE):
+        """`wait_share` None: wait up to `max_wait_s` whatever a forward takes."""
         self.target = target
+        self.wait_share = wait_share
         self.max_wait_s, self.max_batch_tokens, self.max_batch_size = max_wait_s, max_batch_tokens, max_batch_size
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
         self._active = 0  # operations in flight (between begin and end), each of which may send a request
         self._closed = False
+        self._last_forward_s = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True, name="moa-batcher")
         self._thread.start()
 
@@ -127,7 +134,11 @@ class Batcher:
                     p.error = RuntimeError("the batcher is closed")
                     p.done.set()
                 return None
-            deadline = self._queue[0].enqueued + self.max_wait_s
+            # from now, not from the first request's arrival: one that came during the last forward would not wait
+            # at all for the streams that forward has just released
+            wait = self.max_wait_s if self.wait_share is None else min(self.max_wait_s,
+                                                                       self.wait_share * self._last_forward_s)
+            deadline = time.perf_counter() + wait
             while (len(self._queue) < min(self._active, self.max_batch_size)
                    and sum(p.request.n for p in self._queue) < self.max_batch_tokens):
                 left = deadline - time.perf_counter()
@@ -162,6 +173,7 @@ class Batcher:
                             p.error = err
                             steps.append(None)
             seconds = time.perf_counter() - start
+            self._last_forward_s = seconds
             s = self.stats
             s.forwards += 1
             s.batch_size.observe(len(batch))

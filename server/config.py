@@ -32,8 +32,8 @@ authentication:
 compute:
   Model work runs off the event loop. --batching on (default): the target forwards of all sessions that are
   ready at the same moment (verify trees, prefill chunks, resume chunks, generate's decode steps) run as one
-  packed forward (continuous batching), up to --batch-tokens new tokens and --max-batch sessions; an idle
-  server waits at most --batch-wait-ms after a first request for the others in flight. --batching off: one
+  packed forward (continuous batching), up to --batch-tokens new tokens and --max-batch sessions; a first
+  request waits for the other sessions in flight at most --batch-wait-ms and a quarter of a forward. --batching off: one
   computation at a time in arrival order (fair FIFO); `generate` gives the lane back after every decoding
   round, a long prefill or resume after every --prefill-chunk tokens.
 
@@ -66,7 +66,7 @@ class Batching:
     """The batching scheduler (models/batching.py); enabled False = the FIFO compute lane."""
 
     enabled: bool = True
-    max_wait_ms: float = 2.0  # an idle server waits this long after a first request for the others in flight
+    max_wait_ms: float = 20.0  # longest wait after a first request for the others in flight (and <= 1/4 forward)
     max_batch_tokens: int = 512  # new tokens per forward (a longer request runs alone)
     max_batch_size: int = 64  # sessions per forward
 
@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd = Batching()
     b.add_argument("--batching", choices=("on", "off"), default="on", help="on: concurrent sessions' forwards run "
                    "as one (continuous batching); off: one computation at a time, FIFO (default: %(default)s)")
-    b.add_argument("--batch-wait-ms", type=float, default=bd.max_wait_ms, help="longest wait of an idle server for "
-                   "more requests after a first one (default: %(default)s)")
+    b.add_argument("--batch-wait-ms", type=float, default=bd.max_wait_ms, help="longest wait after a first request "
+                   "for the other sessions in flight, and at most a quarter of the last forward's duration "
+                   "(default: %(default)s)")
     b.add_argument("--batch-tokens", type=int, default=bd.max_batch_tokens, help="new tokens per batched forward "
                    "(default: %(default)s)")
     b.add_argument("--max-batch", type=int, default=bd.max_batch_size, help="sessions per batched forward "

@@ -112,7 +112,7 @@ def test_int8_packed_forward_is_bitwise_the_solo_forward():
 def test_a_failing_request_fails_alone_and_leaves_every_cache_as_it_was(tiny):
     """Three requests in one batch, one with a token id out of range (only validation keeps them out of a real
     server): the batch is undone and run request by request; the two good ones get their solo results."""
-    batcher = Batcher(tiny, max_wait_s=30.0)  # they all arrive before it runs: it waits for the three in flight
+    batcher = Batcher(tiny, max_wait_s=30.0, wait_share=None)  # it waits for all three in flight
     try:
         runners = [tiny.new_runner(batcher) for _ in range(3)]
         solo = [tiny.new_runner() for _ in range(3)]
