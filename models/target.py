@@ -320,11 +320,7 @@ def forward_packed(target: Target, batch: list[tuple[TargetRunner, ForwardReques
     positions = torch.cat([q.positions for _, q in batch]).view(1, -1)
     ends = np.cumsum([q.n for _, q in batch]).tolist()
     spans = list(zip([0] + ends[:-1], ends))
-    masks = []
-    for runner, q in batch:
-        mask = torch.zeros(1, 1, q.n, runner.length + q.n, dtype=target.dtype, device=target.device)
-        mask[0, 0, :, runner.length:] = q.tree_mask
-        masks.append(mask)
+    masks = [_context_mask(runner, q) for runner, q in batch]
     try:
         hidden = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(hidden, position_ids=positions)
@@ -358,15 +354,20 @@ def forward_packed(target: Target, batch: list[tuple[TargetRunner, ForwardReques
     return steps
 
 
+def _context_mask(runner: TargetRunner, q: ForwardRequest) -> torch.Tensor:
+    """(1, 1, n, length + n): the whole cached context visible, `q.tree_mask` among the new tokens."""
+    mask = torch.zeros(1, 1, q.n, runner.length + q.n, dtype=runner.target.dtype, device=runner.target.device)
+    mask[0, 0, :, runner.length:] = q.tree_mask
+    return mask
+
+
 def _forward_model(runner: TargetRunner, q: ForwardRequest) -> TargetStep:
     """The model's own forward for one sequence (caches the packed forward cannot serve)."""
     target = runner.target
     target.forwards += 1
-    mask = torch.zeros(1, 1, q.n, runner.length + q.n, dtype=target.dtype, device=target.device)
-    mask[0, 0, :, runner.length:] = q.tree_mask
     try:
-        out = target.model.model(input_ids=q.ids.view(1, -1), attention_mask=mask, position_ids=q.positions.view(1, -1),
-                                 cache=runner.cache, use_cache=True)
+        out = target.model.model(input_ids=q.ids.view(1, -1), attention_mask=_context_mask(runner, q),
+                                 position_ids=q.positions.view(1, -1), cache=runner.cache, use_cache=True)
     except BaseException:
         runner.rollback()
         raise
