@@ -5,8 +5,9 @@ With batching (the default) they run side by side and their target forwards meet
 (models/batching.py): forwards of sessions ready at the same moment (verifies, prefill chunks, generate's decode
 steps) run as one. Without, they pass through one FIFO ticket lock, the compute lane: one computation at a time, in
 arrival order; `generate` gives the lane back after every decoding round, and a long prefill or resume after every
-chunk, so that verifies of other sessions are not stuck behind them. One operation per session runs at a time. A connection that sends no hello within `hello_timeout_s` is closed. GET /healthz and GET /metrics share the
-websocket port.
+chunk, so that verifies of other sessions are not stuck behind them. One operation per session runs at a time. A
+connection that sends no hello within `hello_timeout_s` is closed. GET /healthz and GET /metrics share the websocket
+port.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class App:
         self._busy = threading.Lock()
         self._in_flight = 0
         self._busy_since = 0.0
-        # threads only wait for the lane; enough of them that a waiting request never waits for a thread
+        # threads wait for the lane or the batcher; enough of them that a waiting request never waits for a thread
         self.executor = ThreadPoolExecutor(self.limits.max_sessions + 4, thread_name_prefix="moa-compute")
         self.handlers: dict[str, Callable[[Connection, P.Message], Awaitable[None]]] = {
             P.HELLO: self.on_hello, P.PREFILL: self.on_prefill, P.VERIFY: self.on_verify, P.RESUME: self.on_resume,
