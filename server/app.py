@@ -217,7 +217,8 @@ class App:
         metric("errors_total", "counter", "Error replies and refused handshakes by code.", m.errors, "code")
         metric("accepted_tokens_total", "counter", "Draft tokens accepted by verify.", m.accepted_tokens)
         metric("committed_tokens_total", "counter", "Tokens added to session transcripts.", m.committed_tokens)
-        metric("target_seconds_total", "counter", "Seconds of model compute (target and memory head).",
+        metric("target_seconds_total", "counter", "Seconds of model compute (target and memory head), "
+               "summed over requests: batched ones each count the forwards they shared (busy_seconds: the wall time).",
                m.target_seconds)
         metric("bytes_in_total", "counter", "Websocket payload bytes received.", m.bytes_in)
         metric("bytes_out_total", "counter", "Websocket payload bytes sent.", m.bytes_out)
