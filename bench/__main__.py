@@ -1,4 +1,5 @@
-"""`python -m bench single|edge|offline|quantize ...` runs a benchmark; `python -m bench prompts ...` writes a prompt set.
+"""`python -m bench single|edge|serve|offline|quantize ...` runs a benchmark; `python -m bench prompts ...` writes a
+prompt set.
 
     python -m bench single --prompts sharegpt --methods vanilla,lookup,eagle,moa --max-new-tokens 128 \\
         --limit 10 --out runs/bench_single
@@ -6,6 +7,8 @@
         --out runs/bench_edge
     python -m bench offline --prompts sharegpt --methods moa,eagle,lookup --cuts 16,64 --limit 10 \\
         --out runs/bench_offline
+    python -m bench serve --prompts sharegpt --clients 1,2,4,8 --link lan --link 4g --max-new-tokens 64 \\
+        --out runs/bench_serve
     python -m bench quantize --prompts sharegpt --limit 10 --max-new-tokens 64 --out runs/quantize
     python -m bench prompts --set mixed --n 40 --out prompts.jsonl
 """
@@ -76,11 +79,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     q.add_argument("--target", default="default", help="target alias, Hugging Face id or path")
     q.add_argument("--out", required=True, help="output directory")
+    v = sub.add_parser("serve", help="many edges, one server: N concurrent api / EAGLE / MoA clients against "
+                       "batching and FIFO servers behind an emulated link (total and per-client tokens/s, TTFT)")
+    v.add_argument("--prompts", default="sharegpt", help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}; "
+                   "client i answers prompt i's first turn (default: %(default)s)")
+    v.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (default: %(default)s)")
+    v.add_argument("--link", action="append", default=None, help="emulated link, repeatable: lan, wifi, 4g, none or "
+                   "rtt=MS[,bw=MBIT][,jitter=MS] (default: lan)")
+    v.add_argument("--methods", default="api,eagle,moa", help="comma-separated, from api,eagle,moa (default: all)")
+    v.add_argument("--batching", default="on,off", help="server modes to compare: on (batching), off (FIFO) "
+                   "(default: %(default)s)")
+    v.add_argument("--max-new-tokens", type=int, default=64)
+    v.add_argument("--tree", default="3,2,6", help="the edges' tree depth,topk,total_tokens, or auto (the cost "
+                   "model, which may let the server generate alone) (default: %(default)s)")
+    v.add_argument("--threads", type=int, default=None, help="torch threads of the servers (default: torch's)")
+    v.add_argument("--edge-threads", type=int, default=1, help="ONNX Runtime threads per edge (default: %(default)s)")
+    v.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "int8"), help="the shipped drafters' bundles")
+    v.add_argument("--quantize", default="none", choices=("none", "int8"), help="the servers' target")
+    v.add_argument("--target", default=None, help="the servers' --target (default: theirs)")
+    for d in ("moa", "eagle"):
+        v.add_argument(f"--{d}-drafter", default=None, help=f"the {d} server's --drafter (default: {d})")
+        v.add_argument(f"--{d}-bundle", default=None, help=f"{d} edge bundle directory (default: the shipped one's)")
+    v.add_argument("--token", default=None, help="bearer token (MOA_TOKENS of the servers started here)")
+    v.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    v.add_argument("--out", required=True, help="output directory")
+    v.add_argument("--no-progress", action="store_true")
     w = sub.add_parser("prompts", help="write a built-in prompt set as Spec-Bench jsonl")
     w.add_argument("--set", required=True, choices=SETS)
     w.add_argument("--n", type=int, default=None, help="first N prompts (default: all)")
     w.add_argument("--out", required=True)
-    for parser in (s, e, o, q, w):
+    for parser in (s, e, o, q, v, w):
         parser.add_argument("--heldout", default=None, help="draw the sharegpt set from this held-out split "
                             "(heldout.jsonl written by models.train); default: the shipped bench/sharegpt_heldout.jsonl")
     return p.parse_args(argv)
@@ -171,11 +200,52 @@ def quantize(args: argparse.Namespace) -> None:
     print(f"wrote {out}/results.json, results.md")
 
 
+def serve(args: argparse.Namespace) -> None:
+    """Many clients against batching and FIFO servers; writes results.json, results.md, results.png, outputs.jsonl."""
+    import os
+
+    from bench.link import parse_link
+    from bench.serve import ServeConfig, markdown, run_serve, write
+
+    def ints(text: str, flag: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise ValueError(f"{flag} needs positive integers, got {text!r}")
+        return values
+
+    modes = [m.strip() for m in args.batching.split(",") if m.strip()]
+    if not modes or set(modes) - {"on", "off"}:
+        raise ValueError(f"--batching takes on, off or on,off, got {args.batching!r}")
+    config = ServeConfig(
+        clients=ints(args.clients, "--clients"), links=[parse_link(x) for x in (args.link or ["lan"])],
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()], batching=modes,
+        max_new_tokens=args.max_new_tokens, tree=args.tree, threads=args.threads, edge_threads=args.edge_threads,
+        dtype=args.dtype, quantize=args.quantize, server_args=["--target", args.target] if args.target else [],
+        drafters={d: getattr(args, f"{d}_drafter") for d in ("moa", "eagle") if getattr(args, f"{d}_drafter")},
+        bundles={d: getattr(args, f"{d}_bundle") for d in ("moa", "eagle") if getattr(args, f"{d}_bundle")},
+        token=args.token, progress=not args.no_progress)
+    if args.token:
+        os.environ.setdefault("MOA_TOKENS", args.token)  # the servers started here accept it
+    prompts = load_prompts(args.prompts, args.limit, args.heldout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_serve(config, prompts, partial=out / "partial.jsonl")
+    write(results, out)
+    write_prompts(prompts, out / "prompts.jsonl")
+    print(markdown(results))
+    print(f"wrote {out}/results.json, results.md, results.png, outputs.jsonl, prompts.jsonl")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         if args.command in ("single", "edge", "offline"):
             benchmark(args)
+        elif args.command == "serve":
+            serve(args)
         elif args.command == "quantize":
             quantize(args)
         else:

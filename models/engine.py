@@ -113,15 +113,18 @@ class SpeculativeEngine:
     it (`predicted_s`)."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
-                 tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None):
+                 tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
+                 batcher=None):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
         `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
-        Runtime graph); the drafter's memory head computes the memory rows either way."""
+        Runtime graph); the drafter's memory head computes the memory rows either way. `batcher`
+        (models.batching.Batcher): target forwards join those of concurrent generations (the server)."""
         if drafter == "lookup":
             from models.lookup import PromptLookup
 
             drafter = PromptLookup()
         self.target = target
+        self.batcher = batcher
         self.proposer = drafter if isinstance(drafter, Proposer) else None
         self.drafter = None if self.proposer is not None else drafter
         self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
@@ -217,7 +220,7 @@ class SpeculativeEngine:
         forecast = self.forecast.copy()  # what was predicted before this generation
         ids = self.encode(prompt)
         t0 = time.perf_counter()
-        runner = self.target.new_runner()
+        runner = self.target.new_runner(self.batcher)
         step = runner.forward(ids, logits="last")
         stats.target_forwards += 1
         root = sample_token(step.logits[-1], sampling, g)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from moa_core.paths import cache_dir
@@ -126,6 +127,7 @@ class Target:
         self.fingerprint = self.weights_fingerprint  # the target as served: weights + quantisation
         self.quantize = "none"
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.forwards = 0  # target forwards run by runners (a packed one counts once, however many sequences)
 
     def quantize_int8(self) -> None:
         """Int8 weights and per-token int8 activations in every Linear, the LM head included (CPU; models/quant.py).
@@ -162,8 +164,9 @@ class Target:
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
-    def new_runner(self) -> "TargetRunner":
-        return TargetRunner(self)
+    def new_runner(self, batcher=None) -> "TargetRunner":
+        """A runner with an empty cache; with a `batcher` (models/batching.py) its forwards join concurrent ones."""
+        return TargetRunner(self, batcher)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render chat messages with the target's template and tokenise them."""
@@ -201,15 +204,47 @@ def _stack_cache(cache, start: int, end: int) -> tuple[torch.Tensor, torch.Tenso
     return keys, values
 
 
-class TargetRunner:
-    """One sequence's target KV cache (batch size 1), appended in place (models/kvcache.py)."""
+@dataclass
+class ForwardRequest:
+    """One sequence's part of a target forward: n new tokens, their positions, a float additive (n, n) mask among
+    them, and which logits to compute ("all", "last" or "none")."""
 
-    def __init__(self, target: Target):
+    ids: torch.Tensor  # (n,) long
+    positions: torch.Tensor  # (n,) long
+    tree_mask: torch.Tensor  # (n, n)
+    logits: str = "all"
+
+    @property
+    def n(self) -> int:
+        return self.ids.shape[0]
+
+
+class TargetRunner:
+    """One sequence's target KV cache (batch size 1), appended in place (models/kvcache.py).
+
+    `forward` runs through `forward_packed` as a batch of one, or, with a `batcher` (models/batching.py), joins the
+    forwards other sequences make at the same moment: one code path for solo and batched forwards."""
+
+    def __init__(self, target: Target, batcher=None):
         from models.kvcache import growing_cache
 
         self.target = target
         self.cache = growing_cache(target.model.config)
         self.length = 0
+        self.batcher = batcher
+
+    def request(self, ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, logits: str = "all") -> ForwardRequest:
+        dev, dtype = self.target.device, self.target.dtype
+        ids = torch.as_tensor(ids, dtype=torch.long, device=dev).view(-1)
+        n = ids.shape[0]
+        if positions is None:
+            positions = torch.arange(self.length, self.length + n, device=dev)
+        positions = torch.as_tensor(positions, dtype=torch.long, device=dev).view(n)
+        tree_mask = causal_mask(n, dtype=dtype, device=dev) if tree_mask is None else tree_mask.to(dev, dtype)
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be all, last or none, got {logits!r}")
+        return ForwardRequest(ids, positions, tree_mask, logits)
 
     @torch.no_grad()
     def forward(
@@ -226,25 +261,16 @@ class TargetRunner:
         `logits`: "all" rows, the "last" one only (a prefill), or "none" (the caller applies `target.lm_head` to the
         rows it needs: the LM head over a whole tree costs as much as several layers).
         """
-        dev, dtype = self.target.device, self.target.dtype
-        ids = torch.as_tensor(ids, dtype=torch.long, device=dev).view(1, -1)
-        n = ids.shape[1]
-        if positions is None:
-            positions = torch.arange(self.length, self.length + n, device=dev)
-        positions = torch.as_tensor(positions, dtype=torch.long, device=dev).view(1, n)
-        if tree_mask is None:
-            tree_mask = causal_mask(n, dtype=dtype, device=dev)
-        mask = torch.zeros(1, 1, n, self.length + n, dtype=dtype, device=dev)
-        mask[0, 0, :, self.length :] = tree_mask.to(dtype)
-        out = self.target.model.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
-        )
-        hidden = out.last_hidden_state[0]
-        keys, values = _stack_cache(self.cache, self.length, self.length + n)
-        self.length += n
-        head = {"all": hidden, "last": hidden[-1:], "none": None}[logits]
-        return TargetStep(logits=None if head is None else self.target.lm_head(head), hidden=hidden, keys=keys[0],
-                          values=values[0])
+        request = self.request(ids, positions, tree_mask, logits)
+        if self.batcher is not None:
+            return self.batcher.forward(self, request)
+        return forward_packed(self.target, [(self, request)])[0]
+
+    def rollback(self) -> None:
+        """Drop K/V a failed forward may have written past `length` (in some layers only)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.get_seq_length() > self.length:
+                layer.crop(self.length - layer.get_seq_length())
 
     def keep_path(self, n_new: int, path: Sequence[int]) -> None:
         """After a forward of n_new tokens, keep the context and only the new tokens at indices `path` (ascending).
@@ -265,6 +291,93 @@ class TargetRunner:
         if length < self.length:
             self.cache.crop(length - self.length)
             self.length = length
+
+
+def packable(runner: TargetRunner) -> bool:
+    """Whether the packed forward can serve this runner: every layer a full-attention, append-in-place cache
+    (sliding-window layers, as Mistral configures them, go through the model's own forward, one sequence at a time)."""
+    from models.kvcache import GrowingLayer
+
+    return all(type(layer) is GrowingLayer for layer in runner.cache.layers)
+
+
+@torch.no_grad()
+def forward_packed(target: Target, batch: list[tuple[TargetRunner, ForwardRequest]]) -> list[TargetStep]:
+    """One target forward over the new tokens of several sequences, each with its own KV cache.
+
+    The tokens of all requests are packed into one row (1, sum n): embeddings, norms, projections, MLPs and the LM
+    head run once over all of them (where batching pays), while attention runs per sequence over its own cache with
+    its own float additive mask (context + its tree), through the model's attention function. Positions are per
+    sequence. A failure leaves every cache as it was (then raises)."""
+    if not all(packable(r) for r, _ in batch):
+        return [_forward_model(r, q) for r, q in batch]
+    target.forwards += 1
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+    model = target.model.model
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, eager_attention_forward)
+    ids = torch.cat([q.ids for _, q in batch]).view(1, -1)
+    positions = torch.cat([q.positions for _, q in batch]).view(1, -1)
+    ends = np.cumsum([q.n for _, q in batch]).tolist()
+    spans = list(zip([0] + ends[:-1], ends))
+    masks = [_context_mask(runner, q) for runner, q in batch]
+    try:
+        hidden = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(hidden, position_ids=positions)
+        for layer in model.layers[: model.config.num_hidden_layers]:
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            shape = (1, ids.shape[1], -1, attn.head_dim)
+            qs, ks, vs = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+            outs = []
+            for (runner, _), (s, e), mask in zip(batch, spans, masks):
+                k, v = runner.cache.layers[attn.layer_idx].update(ks[:, :, s:e], vs[:, :, s:e])
+                outs.append(attention(attn, qs[:, :, s:e], k, v, mask, dropout=0.0, scaling=attn.scaling)[0])
+            hidden = hidden + attn.o_proj(torch.cat(outs, 1).reshape(1, ids.shape[1], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = model.norm(hidden)[0]
+    except BaseException:
+        for runner, _ in batch:
+            runner.rollback()
+        raise
+    heads = [{"all": hidden[s:e], "last": hidden[e - 1:e], "none": hidden[:0]}[q.logits]
+             for (_, q), (s, e) in zip(batch, spans)]
+    logits = target.lm_head(torch.cat(heads)) if any(h.shape[0] for h in heads) else None
+    steps, at = [], 0
+    for (runner, q), (s, e), head in zip(batch, spans, heads):
+        keys, values = _stack_cache(runner.cache, runner.length, runner.length + q.n)
+        runner.length += q.n
+        rows = None if q.logits == "none" else logits[at:at + head.shape[0]]
+        at += head.shape[0]
+        steps.append(TargetStep(logits=rows, hidden=hidden[s:e], keys=keys[0], values=values[0]))
+    return steps
+
+
+def _context_mask(runner: TargetRunner, q: ForwardRequest) -> torch.Tensor:
+    """(1, 1, n, length + n): the whole cached context visible, `q.tree_mask` among the new tokens."""
+    mask = torch.zeros(1, 1, q.n, runner.length + q.n, dtype=runner.target.dtype, device=runner.target.device)
+    mask[0, 0, :, runner.length:] = q.tree_mask
+    return mask
+
+
+def _forward_model(runner: TargetRunner, q: ForwardRequest) -> TargetStep:
+    """The model's own forward for one sequence (caches the packed forward cannot serve)."""
+    target = runner.target
+    target.forwards += 1
+    try:
+        out = target.model.model(input_ids=q.ids.view(1, -1), attention_mask=_context_mask(runner, q),
+                                 position_ids=q.positions.view(1, -1), cache=runner.cache, use_cache=True)
+    except BaseException:
+        runner.rollback()
+        raise
+    hidden = out.last_hidden_state[0]
+    keys, values = _stack_cache(runner.cache, runner.length, runner.length + q.n)
+    runner.length += q.n
+    head = {"all": hidden, "last": hidden[-1:], "none": None}[q.logits]
+    return TargetStep(logits=None if head is None else target.lm_head(head), hidden=hidden, keys=keys[0],
+                      values=values[0])
 
 
 def causal_mask(n: int, dtype=torch.float32, device=None) -> torch.Tensor:

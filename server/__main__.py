@@ -32,7 +32,7 @@ def load_model(config: ServerConfig) -> Model:
     drafter = None if config.drafter == "none" else load_drafter(config.drafter, target)
     log.info("target %s (%s, %s), drafter %s", target.label, config.resolved_device, config.resolved_dtype,
              config.drafter)
-    model = Model(target, drafter, config.limits, config.tree)
+    model = Model(target, drafter, config.limits, config.tree, config.batching)
     if model.costs:
         c = model.costs
         log.info("verify round by tree size at context %d (sent to edges for tree auto): %s; decode step %.1f ms",

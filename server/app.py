@@ -1,11 +1,13 @@
 """The websocket + HTTP front of the verify server (protocol: docs/protocol.md).
 
-One asyncio event loop handles every connection; it never runs model code. Model work goes to executor threads
-that pass through one FIFO ticket lock, the compute lane: one computation at a time, in arrival order (fair
-queueing, no batching). `generate` gives the lane back after every decoding round, and a long prefill or resume
-after every chunk, so that verifies of other sessions are not stuck behind them. One operation per session runs at
-a time. A connection that sends no hello within `hello_timeout_s` is closed. GET /healthz and GET /metrics share the
-websocket port.
+One asyncio event loop handles every connection; it never runs model code. Model work goes to executor threads.
+With batching (the default) they run side by side and their target forwards meet in the model's batcher
+(models/batching.py): forwards of sessions ready at the same moment (verifies, prefill chunks, generate's decode
+steps) run as one. Without, they pass through one FIFO ticket lock, the compute lane: one computation at a time, in
+arrival order; `generate` gives the lane back after every decoding round, and a long prefill or resume after every
+chunk, so that verifies of other sessions are not stuck behind them. One operation per session runs at a time. A
+connection that sends no hello within `hello_timeout_s` is closed. GET /healthz and GET /metrics share the websocket
+port.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from websockets.http11 import Request, Response
 
 from moa_core import protocol as P
 from server.auth import Credentials, bearer
-from server.session import Model, Session, sampling_of
+from server.session import Model, Session, no_pause, sampling_of
 
 log = logging.getLogger("moa.server")
 FATAL = (P.E_VERSION, P.E_FINGERPRINT, P.E_AUTH)  # these errors close the connection (code 1008)
@@ -87,7 +89,12 @@ class App:
         self.sessions: dict[str, Session] = {}
         self.connections = 0
         self.lane = FairLock()
-        # threads only wait for the lane; enough of them that a waiting request never waits for a thread
+        self.batcher = model.batcher  # None: the FIFO lane
+        self.pause = self.lane.yield_turn if self.batcher is None else no_pause  # between chunks and rounds
+        self._busy = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        # threads wait for the lane or the batcher; enough of them that a waiting request never waits for a thread
         self.executor = ThreadPoolExecutor(self.limits.max_sessions + 4, thread_name_prefix="moa-compute")
         self.handlers: dict[str, Callable[[Connection, P.Message], Awaitable[None]]] = {
             P.HELLO: self.on_hello, P.PREFILL: self.on_prefill, P.VERIFY: self.on_verify, P.RESUME: self.on_resume,
@@ -125,12 +132,39 @@ class App:
                 del self.sessions[sid]
 
     async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run model work in the compute lane, off the event loop."""
-        def locked() -> Any:
-            with self.lane:
-                return fn(*args)
+        """Run model work off the event loop: in the compute lane (FIFO), or beside other work (batching)."""
+        def run() -> Any:
+            if self.batcher is None:
+                with self.lane, self._occupied():
+                    return fn(*args)
+            self.batcher.begin()
+            try:
+                with self._occupied():
+                    return fn(*args)
+            finally:
+                self.batcher.end()
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, locked)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+
+    @contextlib.contextmanager
+    def _occupied(self) -> Any:
+        """Count wall time with at least one computation in flight (metrics busy_seconds)."""
+        with self._busy:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._busy:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.model.metrics.busy_seconds += time.perf_counter() - self._busy_since
+
+    @property
+    def queue(self) -> int:
+        """Computations running or waiting."""
+        return self.lane.depth if self.batcher is None else self.batcher.depth
 
     # ---- HTTP ----------------------------------------------------------------------------------------------
     def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
@@ -158,7 +192,8 @@ class App:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "target": self.model.target.label, "fingerprint": self.model.fingerprint,
-                "sessions": len(self.sessions), "connections": self.connections, "queue": self.lane.depth}
+                "sessions": len(self.sessions), "connections": self.connections, "queue": self.queue,
+                "batching": self.batcher is not None}
 
     def metrics_text(self) -> str:
         m = self.model.metrics
@@ -169,17 +204,48 @@ class App:
             items = samples.items() if isinstance(samples, dict) else [("", samples)]
             lines.extend(f'moa_{name}{{{label}="{k}"}} {v}' if label else f"moa_{name} {v}" for k, v in items)
 
+        def histogram(name: str, help_: str, h) -> None:
+            lines.extend([f"# HELP moa_{name} {help_}", f"# TYPE moa_{name} histogram"])
+            lines.extend(f'moa_{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(h.bounds, h.counts))
+            lines.extend([f'moa_{name}_bucket{{le="+Inf"}} {h.count}', f"moa_{name}_sum {h.sum}",
+                          f"moa_{name}_count {h.count}"])
+
         metric("sessions", "gauge", "Sessions held (with or without a connection).", len(self.sessions))
         metric("connections", "gauge", "Open websocket connections.", self.connections)
-        metric("compute_queue", "gauge", "Computations running or waiting for the compute lane.", self.lane.depth)
+        metric("compute_queue", "gauge", "Computations running or waiting for the compute lane.", self.queue)
         metric("requests_total", "counter", "Requests by message type.", m.requests, "type")
         metric("errors_total", "counter", "Error replies and refused handshakes by code.", m.errors, "code")
         metric("accepted_tokens_total", "counter", "Draft tokens accepted by verify.", m.accepted_tokens)
         metric("committed_tokens_total", "counter", "Tokens added to session transcripts.", m.committed_tokens)
-        metric("target_seconds_total", "counter", "Seconds of model compute (target and memory head).",
+        metric("target_seconds_total", "counter", "Seconds of model compute (target and memory head), "
+               "summed over requests: batched ones each count the forwards they shared (busy_seconds: the wall time).",
                m.target_seconds)
         metric("bytes_in_total", "counter", "Websocket payload bytes received.", m.bytes_in)
         metric("bytes_out_total", "counter", "Websocket payload bytes sent.", m.bytes_out)
+        with self._busy:
+            busy = m.busy_seconds + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
+        metric("busy_seconds_total", "counter", "Wall seconds with at least one computation in flight.", busy)
+        metric("target_forwards_total", "counter", "Target forwards run (a batched one serves several sessions).",
+               self.model.target.forwards)
+        # speculation (vLLM's spec_decode_* names)
+        metric("spec_decode_num_drafts_total", "counter", "Draft trees verified.", m.drafts)
+        metric("spec_decode_num_draft_tokens_total", "counter", "Draft tree nodes verified.", m.draft_tokens)
+        metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", m.accepted_tokens)
+        metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted draft tokens by position on the "
+               "accepted path (0 = the first token after the root).", dict(sorted(m.accepted_per_position.items())),
+               "position")
+        histogram("spec_decode_acceptance_length", "Tokens gained per verify (the accepted path + the target's next "
+                  "token): tau.", m.acceptance_length)
+        metric("batching_enabled", "gauge", "1 when forwards of concurrent sessions are batched, 0 for FIFO.",
+               int(self.batcher is not None))
+        if self.batcher is not None:
+            b = self.batcher.stats
+            histogram("batch_size", "Sessions per batched target forward.", b.batch_size)
+            histogram("batch_tokens", "New tokens per batched target forward.", b.batch_tokens)
+            histogram("batch_queue_seconds", "Time a forward request waited for its batch.", b.queue_s)
+            histogram("batch_forward_seconds", "Duration of a batched target forward.", b.forward_s)
+            metric("batch_split_total", "counter", "Batches that failed and were run request by request.",
+                   b.split_batches)
         return "\n".join(lines) + "\n"
 
     # ---- websocket -----------------------------------------------------------------------------------------
@@ -317,7 +383,7 @@ class App:
 
     async def on_prefill(self, conn: Connection, msg: P.Message) -> None:
         s = self.session(conn, msg.fields.get("session_id"))
-        args = (msg.fields["seq"], self.tokens(msg), sampling_of(msg.fields), self.lane.yield_turn)
+        args = (msg.fields["seq"], self.tokens(msg), sampling_of(msg.fields), self.pause)
         await self.send(conn, await self.session_op(s, s.prefill, *args))
 
     async def on_verify(self, conn: Connection, msg: P.Message) -> None:
@@ -332,7 +398,7 @@ class App:
         s = self.session(conn, f["session_id"])
         if f["length"] < 0:
             raise P.BadRequest(f"resume: length {f['length']} is negative")
-        args = (f["length"], self.tokens(msg), f["policy"], sampling_of(f), self.lane.yield_turn)
+        args = (f["length"], self.tokens(msg), f["policy"], sampling_of(f), self.pause)
         await self.send(conn, await self.session_op(s, s.resume, *args))
 
     async def on_generate(self, conn: Connection, msg: P.Message) -> None:
@@ -351,7 +417,7 @@ class App:
                 raise Cancelled()
             if text:
                 loop.call_soon_threadsafe(frames.put_nowait, P.encode(P.TOKEN, {"text": text}))
-            self.lane.yield_turn()
+            self.pause()
 
         def run() -> None:
             try:

@@ -19,7 +19,10 @@ endpoints (one port):
   ws[s]://HOST:PORT/   the edge protocol (docs/protocol.md): binary frames, one session per transcript
   GET /healthz         200 + JSON status
   GET /metrics         Prometheus text: sessions, requests by type, errors by code, accepted tokens,
-                       target seconds, bytes in/out, compute queue
+                       target seconds, bytes in/out, compute queue, busy seconds, target forwards;
+                       batching: moa_batch_size, moa_batch_tokens, moa_batch_queue_seconds,
+                       moa_batch_forward_seconds (histograms); speculation: moa_spec_decode_num_drafts_total,
+                       moa_spec_decode_num_accepted_tokens_per_pos_total{{position}}, moa_spec_decode_acceptance_length
 
 authentication:
   Tokens come from --tokens-file (one per line, # comments) and ${TOKENS_ENV} (comma-separated). Clients send
@@ -27,9 +30,12 @@ authentication:
   Sessions belong to the token that opened them. With no token configured the server is open (warning logged).
 
 compute:
-  Model work runs off the event loop in one compute lane: requests are served one at a time in arrival
-  order (fair FIFO, not batched); `generate` gives the lane back after every decoding round, a long prefill
-  or resume after every --prefill-chunk tokens.
+  Model work runs off the event loop. --batching on (default): the target forwards of all sessions that are
+  ready at the same moment (verify trees, prefill chunks, resume chunks, generate's decode steps) run as one
+  packed forward (continuous batching), up to --batch-tokens new tokens and --max-batch sessions; a first
+  request waits for the other sessions in flight at most --batch-wait-ms and a quarter of a forward. --batching off: one
+  computation at a time in arrival order (fair FIFO); `generate` gives the lane back after every decoding
+  round, a long prefill or resume after every --prefill-chunk tokens.
 
 examples:
   moa-server                                   default target + shipped MoA drafter on 127.0.0.1:8765
@@ -55,6 +61,16 @@ class Limits:
                 "max_message_bytes": self.max_message_bytes, "idle_timeout_s": self.idle_timeout_s}
 
 
+@dataclass(frozen=True)
+class Batching:
+    """The batching scheduler (models/batching.py); enabled False = the FIFO compute lane."""
+
+    enabled: bool = True
+    max_wait_ms: float = 20.0  # longest wait after a first request for the others in flight (and <= 1/4 forward)
+    max_batch_tokens: int = 512  # new tokens per forward (a longer request runs alone)
+    max_batch_size: int = 64  # sessions per forward
+
+
 @dataclass
 class ServerConfig:
     target: str = "default"
@@ -71,6 +87,7 @@ class ServerConfig:
     keyfile: str | None = None
     limits: Limits = field(default_factory=Limits)
     log_level: str = "info"
+    batching: Batching = field(default_factory=Batching)
 
     @property
     def resolved_device(self) -> str:
@@ -139,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int, default=lim.prefill_chunk,
                    help="tokens per target forward of a long prefill or resume; other sessions' requests run "
                    "between chunks (default: %(default)s)")
+    b = p.add_argument_group("batching")
+    bd = Batching()
+    b.add_argument("--batching", choices=("on", "off"), default="on", help="on: concurrent sessions' forwards run "
+                   "as one (continuous batching); off: one computation at a time, FIFO (default: %(default)s)")
+    b.add_argument("--batch-wait-ms", type=float, default=bd.max_wait_ms, help="longest wait after a first request "
+                   "for the other sessions in flight, and at most a quarter of the last forward's duration "
+                   "(default: %(default)s)")
+    b.add_argument("--batch-tokens", type=int, default=bd.max_batch_tokens, help="new tokens per batched forward "
+                   "(default: %(default)s)")
+    b.add_argument("--max-batch", type=int, default=bd.max_batch_size, help="sessions per batched forward "
+                   "(default: %(default)s)")
     p.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"),
                    help="default: %(default)s")
     return p
@@ -153,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     if not 0 <= a.port <= 65535:
         parser.error(f"--port {a.port} is not in 0..65535")
     for flag in ("max_sessions", "max_context", "max_tree_tokens", "max_message_bytes", "max_sessions_per_token",
-                 "prefill_chunk", "threads"):
+                 "prefill_chunk", "threads", "batch_tokens", "max_batch"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if a.tree != "auto":
@@ -164,12 +192,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     for flag in ("idle_timeout", "hello_timeout"):
         if not getattr(a, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
+    if not a.batch_wait_ms >= 0:
+        parser.error("--batch-wait-ms must not be negative")
     try:
         tokens = load_tokens(a.tokens_file)
         config = ServerConfig(a.target, a.drafter, a.tree, a.host, a.port, a.device, a.dtype, a.quantize, a.threads,
                               tokens, a.certfile, a.keyfile, log_level=a.log_level, limits=Limits(
                                   a.max_sessions, a.max_context, a.max_tree_tokens, a.max_message_bytes,
-                                  a.idle_timeout, a.max_sessions_per_token, a.hello_timeout, a.prefill_chunk))
+                                  a.idle_timeout, a.max_sessions_per_token, a.hello_timeout, a.prefill_chunk),
+                              batching=Batching(a.batching == "on", a.batch_wait_ms, a.batch_tokens, a.max_batch))
         config.ssl_context()
     except (OSError, ssl.SSLError) as e:
         parser.error(f"cannot read {e.filename or 'the TLS certificate or key'}: {e.strerror or e}")

@@ -1,6 +1,8 @@
 """Verify-server state and operations, free of networking: the served model and one `Session` per edge transcript.
 
-Every method here runs in the server's compute lane (one at a time, see `server.app`). A session's operations
+Every method here runs in a compute thread of `server.app`: one at a time in the FIFO lane, or concurrently with
+other sessions' operations, their target forwards joined into batches (`Model.batcher`, models/batching.py; one
+operation per session at a time either way). A session's operations
 check everything that depends on its state before they touch it, so a refused request leaves it unchanged; one that
 fails half-way is undone by `Session.recover`. Long target forwards (prefill, resume) run in chunks of
 `Limits.prefill_chunk` tokens and call `pause` between them, where the compute lane serves other sessions.
@@ -21,12 +23,13 @@ import torch
 from moa_core import protocol as P
 from moa_core.budget import MAX_TREE
 from moa_core.tree import DraftTree
+from models.batching import Batcher, Histogram
 from models.costmodel import measure_costs
 from models.drafter import Drafter, bundle_fingerprint
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
-from server.config import Limits
+from server.config import Batching, Limits
 
 
 @dataclass
@@ -40,9 +43,22 @@ class Metrics:
     target_seconds: float = 0.0  # compute lane time: target forwards and memory rows
     bytes_in: int = 0
     bytes_out: int = 0
+    busy_seconds: float = 0.0  # wall time with at least one computation in flight (server.app)
+    drafts: int = 0  # verified trees
+    draft_tokens: int = 0  # their nodes (the root excluded)
+    accepted_per_position: dict[int, int] = field(default_factory=dict)  # accepted nodes by depth - 1
+    acceptance_length: Histogram = field(default_factory=lambda: Histogram((1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)))
 
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
+
+    def verified(self, tree_tokens: int, accepted: int) -> None:
+        """One verify: `accepted` nodes of a `tree_tokens`-node tree (the accepted path holds depths 1..accepted)."""
+        self.drafts += 1
+        self.draft_tokens += tree_tokens
+        for position in range(accepted):
+            self.accepted_per_position[position] = self.accepted_per_position.get(position, 0) + 1
+        self.acceptance_length.observe(1 + accepted)
 
 
 def sampling_of(fields: dict[str, Any]) -> Sampling:
@@ -78,7 +94,8 @@ def forward_chunked(runner: TargetRunner, tokens: list[int], chunk: int, pause: 
 class Model:
     """The served target and the drafter's memory head (the half of the drafter that runs where the target runs)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, limits: Limits = Limits(), tree: str = "auto"):
+    def __init__(self, target: Target, drafter: Drafter | None, limits: Limits = Limits(), tree: str = "auto",
+                 batching: Batching = Batching()):
         self.target = target
         self.drafter = drafter
         self.memory_head = TorchDraftStep(drafter) if drafter is not None else None
@@ -89,6 +106,13 @@ class Model:
         self.costs = measure_costs(target, self.memory_head, min(MAX_TREE, limits.max_tree_tokens)) if drafter else None
         self.metrics = Metrics()
         self._engines: dict[str, SpeculativeEngine] = {}
+        self.batching = batching
+        self.batcher = Batcher(target, batching.max_wait_ms / 1000, batching.max_batch_tokens,
+                               batching.max_batch_size) if batching.enabled else None
+
+    def new_runner(self) -> TargetRunner:
+        """A target cache for one sequence; its forwards go through the batcher when batching is on."""
+        return self.target.new_runner(self.batcher)
 
     @property
     def vocab_size(self) -> int:
@@ -121,7 +145,7 @@ class Model:
             self.require_memory_head()
         if drafter not in self._engines:
             self._engines[drafter] = SpeculativeEngine(self.target, self.drafter if drafter == "server" else None,
-                                                       tree=self.tree)
+                                                       tree=self.tree, batcher=self.batcher)
         return self._engines[drafter]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, drafter: str, seed: int | None,
@@ -213,7 +237,7 @@ class Session:
             return cached
         self._check_context(len(tokens))
         t = time.perf_counter()
-        runner = self.model.target.new_runner()
+        runner = self.model.new_runner()
         step = forward_chunked(runner, tokens, self.model.limits.prefill_chunk, pause, logits="last")
         next_token = sample_token(step.logits[-1], sampling, self.generator)
         target_s = time.perf_counter() - t
@@ -241,6 +265,7 @@ class Session:
         target_s = time.perf_counter() - t
         rows, rows_s = self._commit([root] + verified.accepted, verified.step, verified.next_token)
         self.model.metrics.accepted_tokens += len(verified.path)
+        self.model.metrics.verified(len(tree), len(verified.path))
         self.model.metrics.target_seconds += target_s + rows_s
         return self._reply(P.VERIFIED, {"seq": seq, "accepted": P.encode_accepted(verified.path), "next_token": verified.next_token,
                                         "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)

@@ -113,3 +113,38 @@ def test_bench_end_to_end(tiny, two_prompts, tmp_path):
     assert "| moa | all |" in table and "| eagle | qa |" in table
     assert len((out / "outputs.jsonl").read_text().splitlines()) == 8
     assert len(read_prompts(out / "prompts.jsonl")) == 2
+
+
+def test_link_profiles_and_the_proxy_delays_and_caps():
+    """The emulated link adds its round trip to a small exchange and its bandwidth to a large one (lower bounds:
+    the proxy sleeps for them; a slow machine only adds)."""
+    import socket
+    import threading
+    import time
+
+    from bench.link import PRESETS, LinkProfile, LinkProxy, parse_link
+
+    assert parse_link("4g") == PRESETS["4g"] and parse_link("rtt=30,bw=5") == LinkProfile("rtt=30,bw=5", 30, 0, 5)
+    assert parse_link("rtt=7,jitter=2").bandwidth_mbit is None
+    for bad in ("5g", "rtt=x", "bw=10", "rtt=-1", "rtt=5,bw=0", "rtt=5,loss=1"):
+        with pytest.raises(ValueError):
+            parse_link(bad)
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        while data := conn.recv(1 << 16):
+            conn.sendall(data)
+        conn.close()
+
+    threading.Thread(target=echo, daemon=True).start()
+    with LinkProxy("127.0.0.1", server.getsockname()[1], parse_link("rtt=40,bw=8,jitter=10")) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.listen_port)) as s:
+            for n, at_least in ((10, 0.035), (500_000, 0.5)):  # rtt - jitter; 4 Mbit over 8 Mbit/s
+                start, got = time.perf_counter(), 0
+                s.sendall(b"x" * n)
+                while got < n:
+                    got += len(s.recv(1 << 20))
+                assert time.perf_counter() - start >= at_least
+    assert proxy.bytes == {"up": 500_010, "down": 500_010}
+    server.close()

@@ -68,7 +68,7 @@ def env(tmp_path_factory) -> Iterator[dict]:
     try:
         for server in servers.values():
             server.wait_ready()
-        yield {"target": target, "bundle": root / "bundle", **servers}
+        yield {"target": target, "bundle": root / "bundle", "root": root, **servers}
     finally:
         for server in servers.values():
             if server.proc.poll() is None:
@@ -213,6 +213,36 @@ def test_edge_benchmark(env, tmp_path):
     assert set(moa["per_category"]) == {"chat", "qa"} and moa["new_tokens"] == api["new_tokens"] > 24
     assert "| moa | all |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
     assert len((out / "outputs.jsonl").read_text().splitlines()) == 4
+
+
+def test_serve_benchmark_through_an_emulated_link(env, tmp_path):
+    """`bench serve`: api and MoA clients, 1 and 2 at once, against batching and FIFO servers it starts, behind a
+    20 ms link; greedy outputs equal api's everywhere."""
+    from bench.__main__ import main as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "chat", "turns": [text]}) + "\n"
+                               for i, text in enumerate([PROMPT, "What is 2 plus 2?"])))
+    out = tmp_path / "serve"
+    bench(["serve", "--prompts", str(prompts), "--clients", "1,2", "--link", "rtt=20,bw=50,jitter=4", "--methods",
+           "api,moa", "--max-new-tokens", "12", "--target", str(env["root"] / "target"), "--moa-drafter",
+           str(env["root"] / "drafter"), "--moa-bundle", str(env["bundle"]), "--token", TOKEN, "--tree", TREE,
+           "--threads", "1", "--out", str(out), "--no-progress"])
+    results = json.loads((out / "results.json").read_text())
+    runs = {(r["batching"], r["clients"], r["method"]): r for r in results["runs"]}
+    assert set(runs) == {(b, n, m) for b in ("on", "off") for n in (1, 2) for m in ("api", "moa")}
+    for (batching, n, method), r in runs.items():
+        assert r["outputs_match_api"] == 1.0 and r["new_tokens"] == 12 * n and r["link"] == "rtt=20,bw=50,jitter=4"
+        assert r["ttft_s_median"] >= 0.018  # at least one emulated round trip (rtt 20 ms, jitter +-2 ms)
+        assert r["total_tokens_per_s"] > 0 and r["bytes_per_token"] > 0
+        assert (r["mean_batch_size"] is None) == (batching == "off")
+        if method == "moa":
+            assert r["tau"] > 1 and r["server_forwards_per_token"] < 1
+    for n in (1, 2):  # batching never runs more forwards than FIFO
+        assert runs["on", n, "api"]["server_forwards_per_token"] <= runs["off", n, "api"]["server_forwards_per_token"]
+    table = (out / "results.md").read_text()
+    assert "| rtt=20,bw=50,jitter=4 | 2 | moa | on |" in table and (out / "results.png").stat().st_size > 0
+    assert len((out / "outputs.jsonl").read_text().splitlines()) == 2 * (1 + 2) * 2
 
 
 # ---- offline and resync ---------------------------------------------------------------------------------------
