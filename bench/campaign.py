@@ -4,7 +4,8 @@ every leg (the legs a run continued, from its --init drafter's training record, 
     python -m bench.campaign --runs runs/moa_leg2 runs/eagle_leg2 --out runs/campaign
 
 Periodic evaluations (`--eval-samples` conversations) are the thin lines; the final evaluation of each run
-(eval.json, `--final-eval-samples`) is a star, and the stars of one architecture's legs are joined. Writes
+(eval.json, `--final-eval-samples`) is a star, joined to the final evaluations of the legs its training record
+lists before it (the earlier legs of the drafter it continued). Writes
 campaign.json and campaign.png.
 """
 
@@ -30,14 +31,19 @@ def run_curve(run: Path) -> dict:
     points = [{"step": step, "tokens": prior["tokens"] + by_step[step]["tokens"],
                "wall_s": prior["wall_s"] + by_step[step]["wall_s"], "expected_tau": ev["expected_tau"],
                "depth_agreement": ev["depth_agreement"]} for step, ev in sorted(evals.items())]
-    final = None
+    final, legs = None, []
     record_file = run / "drafter" / "training_record.json"
     if record_file.exists():
         record = json.loads(record_file.read_text())
         final = {"tokens": record["tokens_seen"], "wall_s": record["wall_time_s"],
                  "expected_tau": record["heldout"]["expected_tau"],
                  "depth_agreement": record["heldout"]["depth_agreement"]}
-    return {"run": str(run), "arch": cfg["arch"], "prior": prior, "points": points, "final": final}
+        tokens = wall_s = 0
+        for leg in record.get("legs", []):  # every leg's final evaluation, at the tokens seen by its end
+            tokens, wall_s = tokens + leg["tokens"], wall_s + leg["wall_time_s"]
+            if leg["steps"] and leg.get("heldout"):
+                legs.append({"tokens": tokens, "wall_s": wall_s, "expected_tau": leg["heldout"]["expected_tau"]})
+    return {"run": str(run), "arch": cfg["arch"], "prior": prior, "points": points, "final": final, "legs": legs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +75,8 @@ def plot(curves: list[dict], png: Path) -> None:
                                   "training wall time, minutes (all legs)", 60)):
         for arch in sorted({c["arch"] for c in curves}):
             legs = [c for c in curves if c["arch"] == arch]
-            finals = sorted((c["final"] for c in legs if c["final"]), key=lambda f: f["tokens"])
+            ends = {f["tokens"]: f for c in legs for f in c["legs"] + ([c["final"]] if c["final"] else [])}
+            finals = [ends[t] for t in sorted(ends)]
             line, = ax.plot([f[key] / scale for f in finals], [f["expected_tau"] for f in finals], marker="*",
                             ms=12, label=f"{arch}: final evaluation of each leg")
             for c in legs:
