@@ -295,13 +295,13 @@ def test_bad_requests_during_batches_get_typed_errors_and_others_go_on(tiny, dra
                 sc.prefill(prompts[0])
                 while not done.is_set():
                     for frame, code in [
-                        (P.encode(P.PREFILL, {"seq": sc.seq + 1}, {"tokens": np.array([5, V + 3], np.int32)}),
+                        (P.encode(P.PREFILL, {"seq": sc.core.seq + 1}, {"tokens": np.array([5, V + 3], np.int32)}),
                          P.E_OUT_OF_VOCAB),
-                        (P.encode(P.VERIFY, {"session_id": sc.session_id, "seq": sc.seq + 1, **GREEDY},
-                                  {"tokens": np.array([sc.root + 1 if sc.root + 1 < V else 3, 4], np.int32),
+                        (P.encode(P.VERIFY, {"session_id": sc.core.session_id, "seq": sc.core.seq + 1, **GREEDY},
+                                  {"tokens": np.array([sc.core.pending + 1 if sc.core.pending + 1 < V else 3, 4], np.int32),
                                    "parents": np.array([-1, 0], np.int32)}), P.E_BAD_TREE),
-                        (P.encode(P.VERIFY, {"session_id": sc.session_id, "seq": sc.seq + 1, **GREEDY},
-                                  {"tokens": np.array([sc.root, 4], np.int32),
+                        (P.encode(P.VERIFY, {"session_id": sc.core.session_id, "seq": sc.core.seq + 1, **GREEDY},
+                                  {"tokens": np.array([sc.core.pending, 4], np.int32),
                                    "parents": np.array([-1, 5], np.int32)}), P.E_BAD_TREE),
                         (b"garbage", P.E_MALFORMED),
                         (P.encode(P.GENERATE, {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
