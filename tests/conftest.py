@@ -12,6 +12,25 @@ def _threads():
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: a server's compute and the test's drafter share a small machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_moa(tiny):
+    """A MoA drafter briefly trained on the tiny target (tests.helpers.train_tiny)."""
+    from tests.helpers import train_tiny
+
+    return train_tiny(tiny, "moa")
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from models.tiny import tiny_target

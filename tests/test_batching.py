@@ -14,19 +14,17 @@ import pytest
 import torch
 
 from moa_core import protocol as P
-from moa_core.drafting import DraftSession
 from moa_core.tree import TreeConfig
 from models.batching import Batcher
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import forward_packed
-from models.verify import verify_tree
 from server.app import App
 from server.config import Batching, Limits, parse_args
 from server.session import Model
 from server.testing import Client, ServerThread
-from tests.helpers import CoreClient, greedy_continuations, train_tiny
+from tests.helpers import CoreClient, greedy_continuations
 from tests.test_drafters import tree_attention_mask
-from tests.test_engine import chi_square_p, joint_first_two
+from tests.test_engine import chi_square_p, first_two, joint_first_two
 
 TREE = TreeConfig(4, 2, 8)
 NEW = 32
@@ -35,17 +33,12 @@ GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 WAIT = Batching(max_wait_ms=20.0)  # a generous wait, so that concurrent clients surely meet in batches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def drafter(tiny):
-    return train_tiny(tiny, "moa")
+def drafter(tiny_moa):
+    return tiny_moa
 
 
 @pytest.fixture(scope="module")
@@ -169,18 +162,7 @@ def test_sampling_through_batches_keeps_the_target_distribution():
         try:
             runner.forward(prompt)
             for _ in range(n // workers):
-                runner.crop(len(prompt))
-                session = DraftSession(step, candidates=tiny.spec.vocab_size)
-                session.add_verified(prompt, rows)
-                tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
-                v = verify_tree(runner, root, tree, sampling, g)
-                seq = v.accepted + [v.next_token]
-                if len(seq) < 2:
-                    from models.verify import target_probs
-
-                    probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
-                    seq.append(int(torch.multinomial(probs, 1, generator=g)))
-                counts[w][tuple(seq[:2])] += 1
+                counts[w][first_two(runner, step, prompt, rows, root, sampling, g, rng)] += 1
         finally:
             batcher.end()
 

@@ -172,19 +172,24 @@ def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
     runner.forward(prompt)
     try:
         for _ in range(n):
-            runner.crop(len(prompt))
-            session = DraftSession(step, candidates=tiny.spec.vocab_size)
-            session.add_verified(prompt, rows)
-            tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
-            v = verify_tree(runner, root, tree, sampling, g)
-            seq = v.accepted + [v.next_token]
-            if len(seq) < 2:
-                probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
-                seq.append(int(torch.multinomial(probs, 1, generator=g)))
-            counts[tuple(seq[:2])] += 1
+            counts[first_two(runner, step, prompt, rows, root, sampling, g, rng)] += 1
     finally:
         verify.residual = original
     return counts
+
+
+def first_two(runner, step, prompt, rows, root, sampling, g, rng) -> tuple[int, int]:
+    """One draft-and-verify round after `prompt` (runner cropped back to it): the first two tokens it yields."""
+    runner.crop(len(prompt))
+    session = DraftSession(step, candidates=runner.target.spec.vocab_size)
+    session.add_verified(prompt, rows)
+    tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
+    v = verify_tree(runner, root, tree, sampling, g)
+    seq = v.accepted + [v.next_token]
+    if len(seq) < 2:
+        probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
+        seq.append(int(torch.multinomial(probs, 1, generator=g)))
+    return tuple(seq[:2])
 
 
 def chi_square_p(counts, joint, n):

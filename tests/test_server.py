@@ -13,7 +13,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from moa_core import protocol as P
@@ -25,25 +24,19 @@ from server.config import Limits, build_parser, parse_args
 from server.process import ServerProcess
 from server.session import Model
 from server.testing import Client, ServerError, ServerThread
-from tests.helpers import CoreClient, greedy_continuations, train_tiny
+from tests.helpers import CoreClient, greedy_continuations
 
 TREE = TreeConfig(4, 2, 8)
 NEW = 40
 LIMITS = Limits(max_sessions=64, max_context=256, max_tree_tokens=32, max_message_bytes=1 << 16, idle_timeout_s=60)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: the server's compute lane and the test's drafter share a small machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def drafter(tiny):
-    return train_tiny(tiny, "moa")
+def drafter(tiny_moa):
+    return tiny_moa
 
 
 @pytest.fixture(scope="module")
