@@ -11,9 +11,10 @@ training record) and the round time is
 - one round trip between an edge and a server (0 on one device).
 The baseline makes one token per plain decode step (`Costs.decode_s`): vanilla decoding, or the server alone (api).
 A generation also pays its prefill (`Costs.prefill_s` per prompt token). What a generation will take (`Forecast`)
-starts from these figures and follows what earlier generations took, all overheads included. All times are measured where they are
-spent: on one device by the engine (models/costmodel.py); between an edge and a server, the server measures its
-costs at start and sends them in `welcome`, the edge measures its own draft step and the round trip. On a CPU a
+starts from these figures and follows what earlier generations took, all overheads included. All times are
+measured where they are spent: on one device by the engine (models/costmodel.py); between an edge and a server,
+the server measures its costs at start and sends them in `welcome`, the edge measures its own draft step and the
+round trip. On a CPU a
 bigger verify costs much more; on a big GPU 64 tokens cost about what one does, and the same code picks a wider
 tree. Torch-free: the edge uses it.
 """
