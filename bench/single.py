@@ -37,7 +37,7 @@ def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[
     for m in methods:
         drafter = None if m == "vanilla" else "lookup" if m == "lookup" else load_drafter(drafters[m], target)
         engines[m] = SpeculativeEngine(target, drafter, tree=tree)
-        engines[m].costs  # measured before the run, so that every generation is predicted before it runs
+        engines[m].measure_costs()
     return engines
 
 

@@ -45,7 +45,7 @@ from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
 from edge_client.core import POLICIES, EdgeCore, EdgeError, Request, State, Stats, common_prefix, token_tensor
 from edge_client.runtime import OrtDraftStep
 from moa_core import protocol as P
-from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft
+from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft, prior_s
 from moa_core.drafting import OfflineGuard
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.paths import cache_dir
@@ -148,6 +148,11 @@ def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: L
     if tree.total_tokens >= max_tree_tokens:
         tree, why = replace(tree, total_tokens=max_tree_tokens - 1), f"{why}; cut to the server's limit"
     return tree, why, choice
+
+
+def server_time(msg: P.Message) -> float:
+    """The server's compute seconds that a reply reports (its `timings`)."""
+    return sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
 
 
 def server_costs(link: Link) -> Costs | None:
@@ -435,23 +440,12 @@ class EdgeSession:
             forecast.observe(len(ids), first_s, n, self.stats.total_s - first_s)
 
     def prior_s(self, mode: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
-        """What the cost model, from what was measured at connect, predicts a generation in `mode` costs: (prefill
-        seconds, generation seconds). api: a round trip, the server's prefill and decode steps; speculative: a round
-        trip and the prefill with the prompt's memory rows, then rounds at the predicted tau. None without the
-        server's costs or a prediction (a given tree, no acceptance record)."""
+        """What the cost model, from what was measured at connect, predicts a generation in `mode` costs
+        (moa_core.budget's `prior_s`, a round trip before the first token). None without the server's costs."""
         costs = server_costs(self._link) if self._link is not None else None
         if costs is None:
             return None
-        context = prompt_tokens + new_tokens / 2
-        prefill = self.rtt_s + prompt_tokens * costs.prefill_s
-        if mode == "api":
-            return prefill, new_tokens * costs.decode(context)
-        if self.choice is None:
-            return None
-        c = self.choice
-        n = 1 + c.tree.total_tokens
-        shift = costs.verify(context)[n] - costs.verify(sum(costs.contexts) / 2)[n]  # the round, at this context
-        return prefill + prompt_tokens * costs.prompt_rows_s, new_tokens / c.tau * (c.round_s + shift)
+        return prior_s(costs, self.choice, prompt_tokens, new_tokens, plain=mode == "api", link_s=self.rtt_s)
 
     def _next_mode(self) -> str:
         """The mode the next generation runs in: api while speculation does not pay."""
@@ -470,7 +464,8 @@ class EdgeSession:
         if self.pacer.pays != self._paid:
             self._paid = self.pacer.pays
             spec, api = self.pacer.rates()
-            log.info("speculation %s (observed %.1f tokens/s vs %.1f from the server alone): %s", "pays again" if
+            log.info("speculation %s (observed %.1f tokens/s vs %.1f from the server alone, the server's time at its "
+                     "measured speed): %s", "pays again" if
                      self._paid else "does not pay", spec, api, "speculating" if self._paid else
                      f"the server generates alone (api), trying speculation again after {self.pacer.probe_after} tokens")
 
@@ -522,7 +517,7 @@ class EdgeSession:
             self.stats.network_wait_s += time.perf_counter() - t
         self.stats.bytes_down += len(data)
         msg = decode_reply(data)
-        self.stats.server_s += sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
+        self.stats.server_s += server_time(msg)
         return msg
 
     def _request(self, request: Request) -> P.Message:
@@ -623,8 +618,10 @@ class EdgeSession:
             self._sync(lost=True)
             return
         new = self.core.on_reply(reply)
-        if self.pacer is not None:
-            self.pacer.observe(True, len(new), time.perf_counter() - t)
+        costs = server_costs(self._link) if self.pacer is not None else None
+        if costs is not None:  # the server's time counts at what it measured at start: its load comes and goes
+            predicted = costs.verify_at(self.length, 1 + len(request.tree.tokens)) + (len(new) - 1) * costs.row_s
+            self.pacer.observe(True, len(new), time.perf_counter() - t, server_time(reply), predicted)
 
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
         """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""
@@ -700,8 +697,12 @@ class EdgeSession:
             first = first or time.perf_counter()
             yield Chunk(msg.fields["text"])
         f = expect(msg, P.DONE).fields
-        if self.pacer is not None and first is not None and len(f["tokens"]) > 1:
-            self.pacer.observe(False, len(f["tokens"]) - 1, time.perf_counter() - first)
+        costs = server_costs(self._link) if self.pacer is not None else None
+        if costs is not None and first is not None and len(f["tokens"]) > 1:
+            n = len(f["tokens"]) - 1  # decoded after the first token came
+            target_s = f["stats"].get("verify_s", 0.0) * n / len(f["tokens"])  # the server's decode forwards
+            self.pacer.observe(False, n, time.perf_counter() - first, target_s,
+                               n * costs.decode(len(prompt) + len(f["tokens"]) / 2))
         lengths = f["stats"].get("acceptance_lengths", [])
         self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
         self.stats.server_s = f["stats"].get("total_s", 0.0)

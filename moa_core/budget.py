@@ -129,6 +129,12 @@ class Costs:
         """Verify round seconds by size at this context."""
         return {n: self._at([self.verify_s[0][n], self.verify_s[1][n]], context) for n in self.verify_s[0]}
 
+    def verify_at(self, context: float, n: float) -> float:
+        """Verify round seconds of n tokens at this context (interpolated between the measured sizes)."""
+        by_size = self.verify(context)
+        sizes = sorted(by_size)
+        return float(np.interp(n, sizes, [by_size[s] for s in sizes]))
+
     def decode(self, context: float) -> float:
         return self._at(self.decode_s, context)
 
@@ -192,12 +198,36 @@ def choose(agreement: dict[int, list[float]], draft_s: Mapping[int, float], veri
     return best
 
 
+def prior_s(costs: Costs, choice: Choice | None, prompt_tokens: int, new_tokens: int, plain: bool = False,
+            link_s: float = 0.0) -> tuple[float, float] | None:
+    """What the cost model predicts a generation costs: (prefill seconds, generation seconds).
+
+    Plain decoding (`plain`, or a `choice` predicted not to pay): the prefill and one decode step per token.
+    Speculation: the prefill with the prompt's memory rows, then rounds at the predicted tau, the verify round
+    taken at the generation's mean context. `link_s`: one round trip before the first token (an edge). None: no
+    prediction to make (speculation with a given tree, or a drafter without an acceptance record)."""
+    context = prompt_tokens + new_tokens / 2
+    prefill = link_s + prompt_tokens * costs.prefill_s
+    if plain or (choice is not None and not choice.pays):
+        return prefill, new_tokens * costs.decode(context)
+    if choice is None:
+        return None
+    n = 1 + choice.tree.total_tokens
+    shift = costs.verify_at(context, n) - costs.verify_at(sum(costs.contexts) / 2, n)  # choose() took the mean
+    return prefill + prompt_tokens * costs.prompt_rows_s, new_tokens / choice.tau * (choice.round_s + shift)
+
+
 class Pacer:
     """Whether to speculate now: speculation runs while its observed tokens per second beat the baseline's.
 
     Both rates start at the cost model's predictions (`Choice`) and follow what is observed, as exponentially
-    weighted sums of tokens and seconds (`weight` per observation), so that a mispredicted or changed machine is
-    noticed within a few rounds. While the baseline runs, one speculative round is tried after every `probe_after`
+    weighted sums of tokens and seconds (`weight` per observation), so that a mispredicted drafter or overheads
+    the cost model missed are noticed within a few rounds. The two modes are never observed at the same time,
+    and a machine (or a server) whose load changes slows whichever runs now: compared as observed, a fresh round
+    under a new load would lose against a baseline rate observed before it, and the verdict would flap with the
+    load. So each observation's time in the target's forwards counts at what the cost model predicted for them
+    (`observe`): the rates compare the tokens per round and the time outside the target, which the load does
+    not change. While the baseline runs, one speculative round is tried after every `probe_after`
     baseline tokens, so that speculation comes back when it pays again. `pays` is the current belief; callers say
     so when it changes. Speculation is dropped as soon as it is slower, and taken back only once it leads by
     `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap."""
@@ -210,11 +240,16 @@ class Pacer:
         self.pays = choice.pays
 
     def rates(self) -> tuple[float, float]:
-        """Current estimates: speculative and baseline tokens per second."""
+        """Current estimates: speculative and baseline tokens per second (with the target as fast as measured)."""
         return self._spec[0] / self._spec[1], self._base[0] / self._base[1]
 
-    def observe(self, speculative: bool, tokens: int, seconds: float) -> None:
-        """A round (or a stretch of baseline decoding) made `tokens` in `seconds`."""
+    def observe(self, speculative: bool, tokens: int, seconds: float, target_s: float = 0.0,
+                predicted_target_s: float | None = None) -> None:
+        """A round (or a stretch of baseline decoding) made `tokens` in `seconds`, `target_s` of them in target
+        forwards that the cost model predicted to take `predicted_target_s` (None: count the seconds as they
+        are)."""
+        if predicted_target_s is not None:
+            seconds += predicted_target_s - target_s
         acc = self._spec if speculative else self._base
         acc[0] += self.weight * (tokens - acc[0])
         acc[1] += self.weight * (seconds - acc[1])

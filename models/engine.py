@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft
+from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft, prior_s
 from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.tree import DraftTree, TreeConfig
@@ -161,6 +161,11 @@ class SpeculativeEngine:
             self._costs = measure_costs(self.target, self.memory_head)
         return self._costs
 
+    def measure_costs(self) -> Costs:
+        """Measure the cost model now rather than on first use (a benchmark: every generation is then predicted
+        before it runs)."""
+        return self.costs
+
     @property
     def draft_s(self) -> dict[int, float]:
         """Seconds of one draft step by frontier width (0 for a proposer, measured on first use for a drafter)."""
@@ -171,25 +176,15 @@ class SpeculativeEngine:
 
     def round_s(self, tree: TreeConfig, tau: float, context: float) -> float:
         """Predicted seconds of one speculative round of `tree` gaining `tau` tokens at `context`."""
-        verify, draft = self.costs.verify(context), self.draft_s
-        sizes = sorted(verify)
+        draft = self.draft_s
         frontier = float(np.interp(tree.topk, WIDTHS, [draft[w] for w in WIDTHS]))
-        return (draft[1] + (tree.depth - 1) * frontier + float(np.interp(1 + tree.total_tokens, sizes,
-                                                                           [verify[s] for s in sizes]))
+        return (draft[1] + (tree.depth - 1) * frontier + self.costs.verify_at(context, 1 + tree.total_tokens)
                 + (tau - 1) * self.costs.row_s)
 
     def prior_s(self, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
-        """What the cost model, from what it measured at start, predicts a generation costs: (prefill seconds,
-        generation seconds): rounds at the predicted tau, or plain decode steps where it predicted speculation not
-        to pay. None: no tau to predict with (prompt lookup has no acceptance record)."""
-        context = prompt_tokens + new_tokens / 2
-        prefill = prompt_tokens * self.costs.prefill_s
-        if self.tree is None or (self.choice is not None and not self.choice.pays):
-            return prefill, new_tokens * self.costs.decode(context)
-        if self.choice is None:
-            return None
-        prefill += prompt_tokens * self.costs.prompt_rows_s
-        return prefill, new_tokens / self.choice.tau * self.round_s(self.tree, self.choice.tau, context)
+        """What the cost model, from what it measured at start, predicts a generation costs (moa_core.budget's
+        `prior_s`)."""
+        return prior_s(self.costs, self.choice, prompt_tokens, new_tokens, plain=self.tree is None)
 
     def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
         """Seconds the next generation is predicted to take (`forecast`: the cost model, refreshed by the
@@ -231,23 +226,26 @@ class SpeculativeEngine:
         printed = 0
         reason = None
         while reason is None:
-            t = time.perf_counter()
+            t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
             if speculate:
                 if session is not None and behind:
                     self._catch_up(session, behind)
-                new, root = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats)
+                new, root, size = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats)
             else:
                 new, root, step = self._vanilla_round(runner, root, sampling, g, stats)
                 if session is not None:
                     behind.append((new, step))
                 stats.plain_rounds += self.tree is not None
             if self.pacer is not None:
-                self.pacer.observe(speculate, len(new), time.perf_counter() - t)
+                predicted = (self.costs.verify_at(context, size) + (len(new) - 1) * self.costs.row_s if speculate
+                             else self.costs.decode(context))
+                self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
                 if self.pacer.pays != self._said:
                     self._said = self.pacer.pays
                     spec, base = self.pacer.rates()
-                    log.warning("tree auto: speculation %s (observed %.1f tokens/s vs %.1f decoding plainly): %s",
+                    log.warning("tree auto: speculation %s (%.1f tokens/s vs %.1f decoding plainly, as observed with "
+                                "the target at its measured speed): %s",
                                 "pays again" if self.pacer.pays else "does not pay", spec, base,
                                 "speculating" if self.pacer.pays else "decoding plainly, trying again now and then")
             stats.acceptance_lengths.append(len(new))
@@ -284,7 +282,8 @@ class SpeculativeEngine:
 
     def _speculative_round(self, runner, session: DraftSession | None, context: list[int], root: int, sampling, g,
                            rng, stats):
-        """Draft (with the drafter's session, or the proposer from `context` + root), verify, keep the path."""
+        """Draft (with the drafter's session, or the proposer from `context` + root), verify, keep the path: the
+        new tokens, the next root and the number of tokens verified."""
         t = time.perf_counter()
         if session is None:
             tree: DraftTree = self.proposer.propose(context + [root], self.tree)
@@ -300,4 +299,4 @@ class SpeculativeEngine:
         stats.draft_s += t1 - t
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        return [root] + verified.accepted, verified.next_token
+        return [root] + verified.accepted, verified.next_token, 1 + len(tree.tokens)

@@ -61,6 +61,26 @@ def test_pacer_follows_what_it_observes():
     assert pacer.pays and pacer.speculate()
 
 
+def test_pacer_is_not_fooled_by_a_load_that_comes_and_goes():
+    """The baseline's rate was observed on a quiet machine; then the load doubles every target forward while
+    speculation runs. Counted as observed, the rounds would lose to the stale baseline and speculation would be
+    dropped; with the target's time taken at its predicted cost the verdict stays."""
+    from moa_core.budget import Pacer
+
+    choice = choose(AGREEMENT, DRAFT, {n: 0.010 for n in tree_sizes()})
+    naive, pacer = Pacer(choice), Pacer(choice)
+    for p in (naive, pacer):
+        for _ in range(5):
+            p.observe(False, 1, 0.010, 0.010, 0.010)
+    for _ in range(5):  # 2 tokens per round: 2 ms drafting, a 10 ms verify that now takes 25 ms
+        naive.observe(True, 2, 0.027)
+        pacer.observe(True, 2, 0.027, 0.025, 0.010)
+    assert not naive.pays and pacer.pays
+    for _ in range(8):  # fewer tokens per round is what the load cannot hide: dropped
+        pacer.observe(True, 1, 0.027, 0.025, 0.010)
+    assert not pacer.pays
+
+
 def test_costs_travel_and_interpolate():
     from moa_core.budget import Costs
 
@@ -68,6 +88,7 @@ def test_costs_travel_and_interpolate():
     back = Costs.from_wire(json.loads(json.dumps(costs.to_wire())))
     assert back == costs
     assert back.verify(300) == pytest.approx({1: 0.02, 9: 0.04}) and back.decode(300) == pytest.approx(0.018)
+    assert back.verify_at(300, 5) == pytest.approx(0.03)
 
 
 def test_forecast_starts_at_the_prior_and_follows_what_it_observes():
