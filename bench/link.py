@@ -104,8 +104,13 @@ class LinkProxy:
         except OSError:
             client_w.close()
             return
-        await asyncio.gather(self._pipe(client_r, server_w, "up"), self._pipe(server_r, client_w, "down"),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._pipe(client_r, server_w, "up"), self._pipe(server_r, client_w, "down"),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            # the proxy is closing. Ending normally: Python 3.11's stream server calls exception() on a cancelled
+            # connection task and logs a traceback
+            pass
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         """Forward one direction: chunks pass the bandwidth cap, then the delay; in order."""
