@@ -111,7 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--out", required=True)
     for parser in (s, e, o, q, v, w):
         parser.add_argument("--heldout", default=None, help="draw the sharegpt set from this held-out split "
-                            "(heldout.jsonl written by models.train); default: the shipped bench/sharegpt_heldout.jsonl")
+                            "(heldout.jsonl written by models.train); default: the shipped "
+                            "bench/sharegpt_heldout.jsonl")
     return p.parse_args(argv)
 
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 COMMON = (("tau", "tau", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
-          ("predicted tokens/s", "predicted_tokens_per_s", "{:.1f}"), ("prediction error", "predicted_error", "{:+.0%}"),
-          ("median tokens/s", "tokens_per_s_median", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"))
+          ("predicted tokens/s", "predicted_tokens_per_s", "{:.1f}"),
+          ("prediction error", "predicted_error", "{:+.0%}"), ("median tokens/s", "tokens_per_s_median", "{:.1f}"),
+          ("speedup", "speedup", "{:.2f}x"))
 COLUMNS = {
     "single": COMMON + (("target fwd/token", "target_forwards_per_token", "{:.3f}"),
                         ("matches vanilla", "outputs_match_vanilla", "{:.0%}")),
     "edge": COMMON + (("server calls/token", "server_calls_per_token", "{:.3f}"),
-                      ("server ms/token", "server_ms_per_token", "{:.1f}"), ("bytes/token", "bytes_per_token", "{:.0f}"),
+                      ("server ms/token", "server_ms_per_token", "{:.1f}"),
+                      ("bytes/token", "bytes_per_token", "{:.0f}"),
                       ("network wait", "network_wait_share", "{:.0%}"), ("matches api", "outputs_match_api", "{:.0%}")),
 }
 OFFLINE_COLUMNS = (("cases", "cases", "{}"), ("exact prefix (kept by verify)", "exact_prefix", "{:.2f}"),

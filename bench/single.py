@@ -26,7 +26,8 @@ from models.target import Target
 METHODS = ("vanilla", "lookup", "eagle", "moa")
 
 
-def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[str, str]) -> dict[str, SpeculativeEngine]:
+def build_engines(target: Target, methods: list[str], tree: str,
+                  drafters: dict[str, str]) -> dict[str, SpeculativeEngine]:
     """One engine per method; `drafters` maps moa/eagle to a shipped name or a drafter directory."""
     from models.registry import load_drafter
 

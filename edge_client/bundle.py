@@ -151,7 +151,8 @@ def _read_meta(path: Path) -> dict:
                           f"{FORMAT!r} v{FORMAT_VERSION}; re-export the bundle with this version")
     if meta["protocol_version"] not in KNOWN_PROTOCOL_VERSIONS:
         raise BundleError(f"{meta_file}: protocol version {meta['protocol_version']!r} is not supported by this "
-                          f"edge client (supports {', '.join(map(str, KNOWN_PROTOCOL_VERSIONS))}); re-export the bundle")
+                          f"edge client (supports {', '.join(map(str, KNOWN_PROTOCOL_VERSIONS))}); "
+                          "re-export the bundle")
     if meta["arch"] not in ARCHS:
         raise BundleError(f"{meta_file}: unknown drafter architecture {meta['arch']!r} (expected one of {ARCHS})")
     if not meta["target"].get("fingerprint"):

@@ -467,7 +467,8 @@ class EdgeSession:
             log.info("speculation %s (observed %.1f tokens/s vs %.1f from the server alone, the server's time at its "
                      "measured speed): %s", "pays again" if
                      self._paid else "does not pay", spec, api, "speculating" if self._paid else
-                     f"the server generates alone (api), trying speculation again after {self.pacer.probe_after} tokens")
+                     "the server generates alone (api), trying speculation again after "
+                     f"{self.pacer.probe_after} tokens")
 
     def complete(self, prompt: Prompt, **kwargs: Any) -> Result:
         """generate() to the end; the Result."""

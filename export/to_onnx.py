@@ -206,7 +206,8 @@ def acceptance(target: Target, drafter: Drafter, ort_step: OrtDraftStep, prompts
     taus = {}
     for name, step in {"torch": None, "ort": ort_step}.items():
         engine = SpeculativeEngine(target, drafter, tree=tree, draft_step=step)
-        lengths = [n for p in prompts for n in engine.generate(p, max_new_tokens=max_new_tokens).stats.acceptance_lengths]
+        lengths = [n for p in prompts
+                   for n in engine.generate(p, max_new_tokens=max_new_tokens).stats.acceptance_lengths]
         taus[name] = float(np.mean(lengths))
     return {"tau_torch": taus["torch"], "tau_ort": taus["ort"], "tau_change": taus["ort"] - taus["torch"],
             "prompts": len(prompts), "max_new_tokens": max_new_tokens, "tree": str(tree)}
@@ -357,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.to_onnx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default="default",
-                        help="drafter directory (config.json + model.safetensors) or a shipped one: default | moa | eagle")
+                        help="drafter directory (config.json + model.safetensors) or a shipped one: "
+                        "default | moa | eagle")
     parser.add_argument("--out", required=True, help="bundle directory to write (created if missing)")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="weights of the graph (default fp32)")
     parser.add_argument("--target", default=None,

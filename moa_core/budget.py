@@ -170,7 +170,8 @@ class Choice:
 
     def describe(self) -> str:
         return (f"depth={self.tree.depth} topk={self.tree.topk} total_tokens={self.tree.total_tokens}, predicted tau "
-                f"{self.tau:.2f}, {self.tokens_per_s:.1f} tokens/s vs {self.baseline_tokens_per_s:.1f} without a drafter")
+                f"{self.tau:.2f}, {self.tokens_per_s:.1f} tokens/s vs {self.baseline_tokens_per_s:.1f} without a "
+                "drafter")
 
 
 def choose(agreement: dict[int, list[float]], draft_s: Mapping[int, float], verify_s: Mapping[int, float],

@@ -399,7 +399,8 @@ def check_vocab(ids: np.ndarray, vocab_size: int, what: str = "tokens") -> None:
     """Raise ProtocolError(out_of_vocab) unless every id is in [0, vocab_size)."""
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
-        raise ProtocolError(f"{what}: id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})", E_OUT_OF_VOCAB)
+        raise ProtocolError(f"{what}: id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})",
+                            E_OUT_OF_VOCAB)
 
 
 def encode_tree(root: int, tree: DraftTree, with_q: bool = False, q_dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -431,7 +432,8 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
     check_vocab(tokens, vocab_size)
     bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= np.arange(1, n)))
     if parents[0] != -1 or len(bad):
-        where = "parents[0] must be -1 (the root)" if parents[0] != -1 else             f"parents[{bad[0] + 1}] = {parents[bad[0] + 1]} is not in [0, {bad[0] + 1})"
+        where = ("parents[0] must be -1 (the root)" if parents[0] != -1 else
+                 f"parents[{bad[0] + 1}] = {parents[bad[0] + 1]} is not in [0, {bad[0] + 1})")
         raise ProtocolError(f"not a tree in topological order: {where}", E_BAD_TREE)
     depths = np.zeros(n, dtype=np.int64)
     for i in range(1, n):
@@ -443,8 +445,8 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
     if q_ids is None:
         q_ids, q_probs = np.zeros((n, 1), np.int64), np.zeros((n, 1), np.float32)
     elif q_ids.shape != q_probs.shape or q_ids.shape[0] != n or q_ids.shape[1] == 0:
-        raise ProtocolError(f"q_ids {list(q_ids.shape)} and q_probs {list(q_probs.shape)} must both be [{n}, K], K >= 1",
-                            E_BAD_TREE)
+        raise ProtocolError(f"q_ids {list(q_ids.shape)} and q_probs {list(q_probs.shape)} must both be [{n}, K], "
+                            "K >= 1", E_BAD_TREE)
     else:
         check_vocab(q_ids, vocab_size, "q_ids")
         q_probs = q_probs.astype(np.float32)

@@ -14,9 +14,11 @@ def resolve_drafter_path(name_or_path: str | Path) -> Path:
     if key in DEFAULT_DRAFTERS:
         path = DEFAULTS_DIR / DEFAULT_DRAFTERS[key]
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"the shipped {key} drafter is missing at {path} (train one: python -m models.train)")
+            raise FileNotFoundError(f"the shipped {key} drafter is missing at {path} "
+                                    "(train one: python -m models.train)")
         return path
     path = Path(name_or_path)
     if not path.is_dir():
-        raise FileNotFoundError(f"unknown drafter {key!r}: not one of {', '.join(DEFAULT_DRAFTERS)} and not a directory")
+        raise FileNotFoundError(f"unknown drafter {key!r}: not one of {', '.join(DEFAULT_DRAFTERS)} "
+                                "and not a directory")
     return path

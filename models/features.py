@@ -152,7 +152,8 @@ class FeatureCache:
         kv = "keys" in out
         return TargetStep(
             logits=None, hidden=tensor("hidden"),
-            keys=tensor("keys").transpose(1, 2) if kv else None, values=tensor("values").transpose(1, 2) if kv else None,
+            keys=tensor("keys").transpose(1, 2) if kv else None,
+            values=tensor("values").transpose(1, 2) if kv else None,
             topk_ids=tensor("topk_ids", torch.long), topk_probs=tensor("topk_probs"),
         )
 

@@ -213,8 +213,14 @@ class Session:
             raise P.ProtocolError(f"context of {length} tokens is over max_context={self.model.limits.max_context}",
                                   P.E_LIMIT)
 
-    def _reply(self, msg_type: str, fields: dict[str, Any], rows: np.ndarray, seq: int | None = None) -> bytes:
-        frame = P.encode(msg_type, {**fields, "length": len(self.tokens)}, P.encode_rows(rows, self.row_dtype))
+    def _reply(self, msg_type: str, fields: dict[str, Any], rows: np.ndarray, timings: tuple[float, float],
+               seq: int | None = None) -> bytes:
+        """The reply frame, with the target's and the memory rows' seconds (counted in the metrics too)."""
+        target_s, rows_s = timings
+        self.model.metrics.target_seconds += target_s + rows_s
+        frame = P.encode(msg_type, {**fields, "length": len(self.tokens), "timings": {"target_s": target_s,
+                                                                                     "rows_s": rows_s}},
+                         P.encode_rows(rows, self.row_dtype))
         if seq is not None:
             self.last_seq, self.last_reply, self.last_type = seq, frame, msg_type
         return frame
@@ -246,9 +252,7 @@ class Session:
         rows_s = time.perf_counter() - t
         self.runner, self.tokens, self.next_token = runner, list(tokens), next_token
         self.model.metrics.committed_tokens += len(tokens)
-        self.model.metrics.target_seconds += target_s + rows_s
-        return self._reply(P.PREFILLED, {"seq": seq, "next_token": next_token,
-                                         "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
+        return self._reply(P.PREFILLED, {"seq": seq, "next_token": next_token}, rows, (target_s, rows_s), seq)
 
     def verify(self, seq: int, root: int, tree: DraftTree, sampling: Sampling) -> bytes:
         """Verify root + tree against the target, keep the accepted path, return its memory rows."""
@@ -266,9 +270,8 @@ class Session:
         rows, rows_s = self._commit([root] + verified.accepted, verified.step, verified.next_token)
         self.model.metrics.accepted_tokens += len(verified.path)
         self.model.metrics.verified(len(tree), len(verified.path))
-        self.model.metrics.target_seconds += target_s + rows_s
-        return self._reply(P.VERIFIED, {"seq": seq, "accepted": P.encode_accepted(verified.path), "next_token": verified.next_token,
-                                        "timings": {"target_s": target_s, "rows_s": rows_s}}, rows, seq)
+        return self._reply(P.VERIFIED, {"seq": seq, "accepted": P.encode_accepted(verified.path),
+                                        "next_token": verified.next_token}, rows, (target_s, rows_s), seq)
 
     def resume(self, length: int, tokens: list[int], policy: str, sampling: Sampling,
                pause: Callable[[], None] = no_pause) -> bytes:
@@ -295,6 +298,4 @@ class Session:
         next_token = sample_token(step.logits[upto - 1], sampling, self.generator)
         target_s = time.perf_counter() - t
         rows, rows_s = self._commit(tokens[:upto], _slice(step, upto), next_token, pause)
-        self.model.metrics.target_seconds += target_s + rows_s
-        return self._reply(P.RESUMED, {"accepted_upto": upto, "next_token": next_token,
-                                       "timings": {"target_s": target_s, "rows_s": rows_s}}, rows)
+        return self._reply(P.RESUMED, {"accepted_upto": upto, "next_token": next_token}, rows, (target_s, rows_s))

@@ -1,5 +1,6 @@
 """Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted; the edge's
-I/O-free core driven over a plain protocol client; a server that resets every connection."""
+I/O-free core driven over a plain protocol client; a server that resets every connection; tree masks; the
+chi-square check that sampling keeps the target's distribution of the first two tokens."""
 
 from __future__ import annotations
 
@@ -12,13 +13,20 @@ import torch
 
 from edge_client.core import EdgeCore, Request, State, Stats
 from moa_core import protocol as P
-from moa_core.drafting import DraftStep
+from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import StopRule
-from moa_core.tree import TreeConfig
+from moa_core.tree import TreeConfig, ancestor_matrix
 from models.data import Encoded
 from models.drafter import trainable_parameters
 from models.registry import build_drafter
 from models.train import TrainConfig, collate, train_step_loss
+from models.verify import target_probs, verify_tree
+
+
+def tree_attention_mask(parents: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Float additive mask (n, n) for a tree given as parent indices: node i sees itself and its ancestors."""
+    visible = torch.from_numpy(ancestor_matrix(np.asarray(parents)))
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
 
 def greedy_continuations(target, n: int, prompt_len: int = 6, new: int = 40, seed: int = 0) -> list[Encoded]:
@@ -145,3 +153,49 @@ class ResetServer:
         self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self._thread.join(10)
+
+
+def joint_first_two(tiny, prompt, root, sampling):
+    """The exact target distribution of the two tokens after prompt + root."""
+    p1 = target_probs(tiny.new_runner().forward(prompt + [root]).logits[-1], sampling)
+    v = tiny.spec.vocab_size
+    joint = torch.zeros(v, v, dtype=torch.float64)
+    for t in range(v):
+        if p1[t] > 0:
+            r = tiny.new_runner()
+            joint[t] = p1[t] * target_probs(r.forward(prompt + [root, t]).logits[-1], sampling)
+    return joint
+
+
+def first_two(runner, step, prompt, rows, root, sampling, g, rng) -> tuple[int, int]:
+    """One draft-and-verify round after `prompt` (runner cropped back to it): the first two tokens it yields."""
+    runner.crop(len(prompt))
+    session = DraftSession(step, candidates=runner.target.spec.vocab_size)
+    session.add_verified(prompt, rows)
+    tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
+    v = verify_tree(runner, root, tree, sampling, g)
+    seq = v.accepted + [v.next_token]
+    if len(seq) < 2:
+        probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
+        seq.append(int(torch.multinomial(probs, 1, generator=g)))
+    return tuple(seq[:2])
+
+
+def chi_square_p(counts, joint, n):
+    from scipy.stats import chisquare
+
+    expected = (joint * n).flatten()
+    observed = torch.zeros_like(expected)
+    v = joint.shape[0]
+    for (a, b), c in counts.items():
+        observed[a * v + b] += c
+    impossible = expected == 0  # top-k / top-p cut these: any sample there is a certain failure
+    if observed[impossible].sum() > 0:
+        return 0.0
+    big = expected >= 5
+    small = ~big & ~impossible
+    obs, exp = observed[big], expected[big]
+    if small.any():  # pool the rare cells into one bucket
+        obs = torch.cat([obs, observed[small].sum().view(1)])
+        exp = torch.cat([exp, expected[small].sum().view(1)])
+    return chisquare(obs.numpy(), exp.numpy()).pvalue

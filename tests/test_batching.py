@@ -22,9 +22,8 @@ from server.app import App
 from server.config import Batching, Limits, parse_args
 from server.session import Model
 from server.testing import Client, ServerThread
-from tests.helpers import CoreClient, greedy_continuations
-from tests.test_drafters import tree_attention_mask
-from tests.test_engine import chi_square_p, first_two, joint_first_two
+from tests.helpers import (CoreClient, chi_square_p, first_two, greedy_continuations, joint_first_two,
+                           tree_attention_mask)
 
 TREE = TreeConfig(4, 2, 8)
 NEW = 32

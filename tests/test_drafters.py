@@ -1,22 +1,15 @@
 """MoA and EAGLE drafters on a tiny random float64 target: the properties docs/design.md §3 promises."""
 
-import numpy as np
 import pytest
 import torch
 
-from moa_core.tree import ancestor_matrix
 from models.drafter import FingerprintMismatch
 from models.registry import build_drafter, load_drafter
 from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
 from models.target import causal_mask
+from tests.helpers import tree_attention_mask
 
 T = 24
-
-
-def tree_attention_mask(parents: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Float additive mask (n, n) for a tree given as parent indices: node i sees itself and its ancestors."""
-    visible = torch.from_numpy(ancestor_matrix(np.asarray(parents)))
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
 
 
 def sequence(tiny, seed=0):

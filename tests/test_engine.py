@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from moa_core.drafting import DraftSession
 from moa_core.tree import TreeConfig, ancestor_matrix, build_tree
 from models.engine import SpeculativeEngine, TorchDraftStep
-from models.verify import Sampling, target_probs, tree_mask_and_positions, verify_tree
-from tests.helpers import greedy_continuations, train_tiny
+from models.verify import Sampling, tree_mask_and_positions
+from tests.helpers import chi_square_p, first_two, greedy_continuations, joint_first_two, train_tiny
 
 
 @pytest.fixture(scope="module")
@@ -144,18 +143,6 @@ def test_stop_strings_and_streaming(tiny):
     assert "".join(chunks).startswith(cut.text[:5])
 
 
-def joint_first_two(tiny, prompt, root, sampling):
-    """The exact target distribution of the two tokens after prompt + root."""
-    p1 = target_probs(tiny.new_runner().forward(prompt + [root]).logits[-1], sampling)
-    v = tiny.spec.vocab_size
-    joint = torch.zeros(v, v, dtype=torch.float64)
-    for t in range(v):
-        if p1[t] > 0:
-            r = tiny.new_runner()
-            joint[t] = p1[t] * target_probs(r.forward(prompt + [root, t]).logits[-1], sampling)
-    return joint
-
-
 def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
     import models.verify as verify
 
@@ -176,40 +163,6 @@ def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
     finally:
         verify.residual = original
     return counts
-
-
-def first_two(runner, step, prompt, rows, root, sampling, g, rng) -> tuple[int, int]:
-    """One draft-and-verify round after `prompt` (runner cropped back to it): the first two tokens it yields."""
-    runner.crop(len(prompt))
-    session = DraftSession(step, candidates=runner.target.spec.vocab_size)
-    session.add_verified(prompt, rows)
-    tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
-    v = verify_tree(runner, root, tree, sampling, g)
-    seq = v.accepted + [v.next_token]
-    if len(seq) < 2:
-        probs = target_probs(runner.forward(seq[:1]).logits[-1], sampling)
-        seq.append(int(torch.multinomial(probs, 1, generator=g)))
-    return tuple(seq[:2])
-
-
-def chi_square_p(counts, joint, n):
-    from scipy.stats import chisquare
-
-    expected = (joint * n).flatten()
-    observed = torch.zeros_like(expected)
-    v = joint.shape[0]
-    for (a, b), c in counts.items():
-        observed[a * v + b] += c
-    impossible = expected == 0  # top-k / top-p cut these: any sample there is a certain failure
-    if observed[impossible].sum() > 0:
-        return 0.0
-    big = expected >= 5
-    small = ~big & ~impossible
-    obs, exp = observed[big], expected[big]
-    if small.any():  # pool the rare cells into one bucket
-        obs = torch.cat([obs, observed[small].sum().view(1)])
-        exp = torch.cat([exp, expected[small].sum().view(1)])
-    return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
 @pytest.mark.parametrize("sampling,quantize,draft_vocab", [

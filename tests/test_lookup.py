@@ -10,7 +10,7 @@ from models.engine import SpeculativeEngine
 from models.lookup import PromptLookup, chain_tree, find_continuation
 from models.verify import Sampling, target_probs, verify_tree
 from tests.helpers import greedy_continuations
-from tests.test_engine import chi_square_p, joint_first_two
+from tests.helpers import chi_square_p, joint_first_two
 
 
 def test_longest_then_most_recent_match():
