@@ -221,6 +221,33 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(results: dict) -> str:
+    """Total tokens/s per link and client count, a column per method and batching mode, and each method's
+    batching / FIFO ratio and speedup over api in the same mode."""
+    runs = results["runs"]
+    key = {(r["link"], r["clients"], r["method"], r["batching"]): r["total_tokens_per_s"] for r in runs}
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    modes = list(dict.fromkeys(r["batching"] for r in runs))
+    label = {"on": "batching", "off": "FIFO"}
+    cols = [(m, b) for m in methods for b in modes]
+    header = ["link", "clients"] + [f"{m} {label[b]}" for m, b in cols]
+    header += [f"{m} batching / FIFO" for m in methods] if set(modes) == {"on", "off"} else []
+    header += [f"{m} / api, {label[b]}" for m in methods if m != "api" for b in modes] if "api" in methods else []
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def ratio(a: tuple, b: tuple) -> str:
+        return f"{key[a] / key[b]:.2f}x" if a in key and b in key and key[b] else "-"
+
+    for link, n in dict.fromkeys((r["link"], r["clients"]) for r in runs):
+        cells = [f"{key[link, n, m, b]:.1f}" if (link, n, m, b) in key else "-" for m, b in cols]
+        if set(modes) == {"on", "off"}:
+            cells += [ratio((link, n, m, "on"), (link, n, m, "off")) for m in methods]
+        if "api" in methods:
+            cells += [ratio((link, n, m, b), (link, n, "api", b)) for m in methods if m != "api" for b in modes]
+        lines.append("| " + " | ".join([link, str(n)] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, path: Path) -> None:
     """Total tokens/s against clients, one panel per link, a line per method and batching mode."""
     import matplotlib
@@ -254,5 +281,5 @@ def write(results: dict, out: Path) -> None:
     outputs = results.pop("outputs")
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "outputs.jsonl").write_text("".join(json.dumps(o) + "\n" for o in outputs))
-    (out / "results.md").write_text(markdown(results))
+    (out / "results.md").write_text("Total tokens/s\n\n" + summary(results) + "\nEvery figure\n\n" + markdown(results))
     plot(results, out / "results.png")

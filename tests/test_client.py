@@ -242,6 +242,9 @@ def test_serve_benchmark_through_an_emulated_link(env, tmp_path):
         assert runs["on", n, "api"]["server_forwards_per_token"] <= runs["off", n, "api"]["server_forwards_per_token"]
     table = (out / "results.md").read_text()
     assert "| rtt=20,bw=50,jitter=4 | 2 | moa | on |" in table and (out / "results.png").stat().st_size > 0
+    assert "| moa batching / FIFO | moa / api, batching |" in table  # the summary on top
+    ratio = runs["on", 2, "moa"]["total_tokens_per_s"] / runs["off", 2, "moa"]["total_tokens_per_s"]
+    assert f"| {ratio:.2f}x |" in table.split("Every figure")[0]
     assert len((out / "outputs.jsonl").read_text().splitlines()) == 2 * (1 + 2) * 2
 
 
