@@ -74,14 +74,31 @@ def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
     return float(np.median(time_calls(fn, repeats)))
 
 
-def measure_verify(forward: Callable[[int], object], limit: int = MAX_TREE) -> dict[int, float]:
-    """Seconds of `forward(n)` (a target forward over n new tokens) for every candidate size, timed at a few sizes
-    and interpolated linearly between them. 1 and 2 are both timed: on a CPU one token takes a matrix-vector path
-    and two already cost up to twice as much, which decides whether a chain pays."""
+def time_interleaved(fns: Mapping[Any, Callable[[], object]], repeats: int = 3) -> dict[Any, float]:
+    """Median seconds of each call, timed in turns after one warm-up each: a load that changes while timing hits
+    every call alike, so their ratios, which decide the budget, hold even on a busy machine."""
+    for fn in fns.values():
+        fn()
+    times: dict[Any, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def verify_probes(limit: int = MAX_TREE) -> list[int]:
+    """The verify sizes to time: 1 and 2 both (on a CPU one token takes a matrix-vector path and two already cost
+    up to twice as much, which decides whether a chain pays), then powers of two up to the largest candidate."""
     sizes = tree_sizes(limit)
-    probe = sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s <= sizes[-1]} | {sizes[-1]})
-    measured = [time_call(lambda: forward(n)) for n in probe]
-    return {n: float(np.interp(n, probe, measured)) for n in sizes}
+    return sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s <= sizes[-1]} | {sizes[-1]})
+
+
+def by_size(measured: Mapping[int, float], limit: int = MAX_TREE) -> dict[int, float]:
+    """Seconds of every candidate verify size, interpolated linearly between the timed `verify_probes`."""
+    probe = sorted(measured)
+    return {n: float(np.interp(n, probe, [measured[p] for p in probe])) for n in tree_sizes(limit)}
 
 
 def draft_inputs(step, n: int, row_width: int, hidden_size: int, context: int = 256, memory: int = 256) -> tuple:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moa_core.budget import MAX_TREE, Choice, Costs, agreement_table, choose, measure_verify, time_call
+from moa_core.budget import (MAX_TREE, Choice, Costs, agreement_table, by_size, choose, time_call, time_interleaved,
+                             verify_probes)
 from moa_core.tree import DraftTree
 from models.target import Target, TargetStep
 from models.verify import verify_tree
@@ -20,7 +21,8 @@ def _slice(step: TargetStep, start: int, end: int) -> TargetStep:
 def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Costs:
     """Time what rounds cost on this target: verify rounds as the engine and the server run them (tree forward,
     LM head rows, keep, the root's memory rows when `memory_head` is given), plain decode steps, memory rows per
-    token and the prefill, at each of CONTEXTS."""
+    token and the prefill, at each of CONTEXTS. Decode steps and verify rounds are timed in turns: what decides
+    the budget is their ratio."""
     ids = [10 + i % (target.spec.vocab_size - 10) for i in range(max(CONTEXTS) + limit)]  # any in-vocabulary ids
 
     def rows(step: TargetStep, start: int) -> None:
@@ -43,8 +45,10 @@ def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Co
             runner.forward(ids[context:context + 1])
             runner.crop(context)
 
-        verify_s.append(measure_verify(verify, limit))
-        decode_s.append(time_call(decode, repeats=5))
+        timed = time_interleaved({"decode": decode, **{n: (lambda n=n: verify(n)) for n in verify_probes(limit)}},
+                                 repeats=3)
+        decode_s.append(timed.pop("decode"))
+        verify_s.append(by_size(timed, limit))
     one, five = (time_call(lambda k=k: rows(_slice(prefill, 0, k), 0)) for k in (1, 5))
     n = CONTEXTS[0]
     prefill_s = time_call(lambda: target.new_runner().forward(ids[:n], logits="last"), repeats=1) / n
