@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v = sub.add_parser("serve", help="many edges, one server: N concurrent api / EAGLE / MoA clients against "
                        "batching and FIFO servers behind an emulated link (total and per-client tokens/s, TTFT)")
     v.add_argument("--prompts", default="sharegpt", help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}; "
-                   "client i answers prompt i's first turn (default: %(default)s)")
+                   "every client count answers each prompt's first turn once, client i prompts i, i+N, ... "
+                   "(default: %(default)s)")
     v.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (default: %(default)s)")
     v.add_argument("--link", action="append", default=None, help="emulated link, repeatable: lan, wifi, 4g, none or "
                    "rtt=MS[,bw=MBIT][,jitter=MS] (default: lan)")

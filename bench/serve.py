@@ -1,12 +1,13 @@
 """Many edges, one server: N concurrent clients per method (api streams vs EAGLE and MoA edges) against one verify
 server per drafter, batching on and off, behind an emulated link (bench/link.py), all on one machine.
 
-For every batching mode, link and client count, each method runs N clients at once (client i answers prompt i; all
-connected before a barrier, so connection set-up is not timed). Figures per run:
+For every batching mode, link and client count, each method runs N clients at once over the same prompts (client i
+answers prompts i, i+N, ... one after the other, so every client count serves the same work; all connected before a
+barrier, so connection set-up is not timed). Figures per run:
 - total_tokens_per_s: all clients' new tokens over the wall time from the barrier to the last client's end;
 - client_tokens_per_s_median / _p95: per client, its tokens over its own time; p95 is the rate 95 % of clients
   reach or beat (the slow tail);
-- ttft_s_median / _p95: time to the first streamed text (prefill + first round + link);
+- ttft_s_median / _p95: time to the first streamed text of each reply (prefill + first round + link);
 - server_forwards_per_token: target forwards the server ran (a batched forward counts once) per new token;
 - server_ms_per_token: the server's busy wall time (at least one computation in flight) per new token;
 - bytes_per_token: websocket frames both ways per new token, as the edge counts them;
@@ -75,25 +76,36 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def run_clients(sessions: list[EdgeSession], prompts: list[Prompt], max_new_tokens: int) -> dict:
-    """One generation per session at once (session i answers prompt i's first turn)."""
+    """Every prompt's first turn once, shared among the sessions at once: session i answers prompts i, i+n, ...
+    one after the other, so that every client count serves the same work."""
     n = len(sessions)
     barrier = threading.Barrier(n + 1)
     out: list[dict | BaseException] = [RuntimeError("did not run")] * n
 
     def client(i: int) -> None:
         s = sessions[i]
-        messages = [{"role": "user", "content": prompts[i % len(prompts)].turns[0]}]
+        mine = list(range(i, len(prompts), n))
+        done = {"tokens": {}, "new_tokens": 0, "ttft_s": [], "bytes": 0, "verify_calls": 0, "accepted_tokens": 0,
+                "modes": []}
         try:
             barrier.wait(600)
-            start, first = time.perf_counter(), None
-            for chunk in s.generate(messages, max_new_tokens=max_new_tokens, seed=i):
-                if first is None and chunk:
-                    first = time.perf_counter()
+            start = time.perf_counter()
+            for j in mine:
+                t, first = time.perf_counter(), None
+                for chunk in s.generate([{"role": "user", "content": prompts[j].turns[0]}],
+                                        max_new_tokens=max_new_tokens, seed=j):
+                    if first is None and chunk:
+                        first = time.perf_counter()
+                st = s.stats
+                done["tokens"][j] = s.result.token_ids
+                done["ttft_s"].append((first or time.perf_counter()) - t)
+                done["new_tokens"] += st.new_tokens
+                done["bytes"] += st.bytes_up + st.bytes_down
+                done["verify_calls"] += st.verify_calls
+                done["accepted_tokens"] += st.accepted_tokens
+                done["modes"].append(st.mode)
             end = time.perf_counter()
-            st = s.stats
-            out[i] = {"tokens": s.result.token_ids, "new_tokens": st.new_tokens, "total_s": end - start,
-                      "ttft_s": (first or end) - start, "end": end, "bytes": st.bytes_up + st.bytes_down,
-                      "verify_calls": st.verify_calls, "accepted_tokens": st.accepted_tokens, "mode": st.mode}
+            out[i] = {**done, "total_s": end - start, "end": end}
         except BaseException as e:  # reported by the caller
             out[i] = e
 
@@ -115,7 +127,7 @@ def figures(run: dict, before: dict[str, float], after: dict[str, float]) -> dic
     new = sum(c["new_tokens"] for c in clients)
     wall = max(c["end"] for c in clients) - run["t0"]
     rates = [c["new_tokens"] / c["total_s"] for c in clients]
-    ttft = [c["ttft_s"] for c in clients]
+    ttft = [t for c in clients for t in c["ttft_s"]]
     calls = sum(c["verify_calls"] for c in clients)
 
     def delta(name: str) -> float:
@@ -129,7 +141,7 @@ def figures(run: dict, before: dict[str, float], after: dict[str, float]) -> dic
             "server_ms_per_token": 1000 * delta("moa_busy_seconds_total") / max(1, new),
             "bytes_per_token": sum(c["bytes"] for c in clients) / max(1, new),
             "tau": sum(c["accepted_tokens"] for c in clients) / calls if calls else 1.0,
-            "api_share": sum(c["mode"] == "api" for c in clients) / len(clients),
+            "api_share": statistics.mean(m == "api" for c in clients for m in c["modes"]),
             "mean_batch_size": (delta("moa_batch_size_sum") / delta("moa_batch_size_count")
                                 if delta("moa_batch_size_count") else None)}
 
@@ -168,7 +180,7 @@ def run_serve(config: ServeConfig, prompts: list[Prompt], partial: Path | None =
                             "speculative", tree=config.tree, threads=config.edge_threads)) for _ in range(widest)]
                             for mode in config.batching}
                         for mode in config.batching:  # warm-up: one short generation
-                            run_clients(sessions[mode][:1], prompts, 8)
+                            run_clients(sessions[mode][:1], prompts[:1], 8)
                         for n in config.clients:
                             for mode in config.batching:
                                 bar.set_postfix_str(f"{link.name} {m} {n} clients batching {mode}")
@@ -176,11 +188,13 @@ def run_serve(config: ServeConfig, prompts: list[Prompt], partial: Path | None =
                                 before = scrape(port)
                                 run = run_clients(sessions[mode][:n], prompts, config.max_new_tokens)
                                 fig = figures(run, before, scrape(port))
-                                for i, c in enumerate(run["clients"]):
-                                    outputs[mode, link.name, n, m, i] = c["tokens"]
-                                ref = [outputs.get((mode, link.name, n, "api", i)) for i in range(n)]
-                                fig["outputs_match_api"] = (sum(c["tokens"] == r for c, r in zip(run["clients"], ref))
-                                                            / n if all(r is not None for r in ref) else None)
+                                for c in run["clients"]:
+                                    for j, tokens in c["tokens"].items():
+                                        outputs[mode, link.name, n, m, j] = tokens
+                                ref = {j: outputs.get((mode, link.name, n, "api", j)) for j in range(len(prompts))}
+                                fig["outputs_match_api"] = (statistics.mean(
+                                    outputs[mode, link.name, n, m, j] == r for j, r in ref.items())
+                                    if all(r is not None for r in ref.values()) else None)
                                 rows.append({"batching": mode, "link": link.name, "method": m, **fig})
                                 if partial is not None:
                                     with partial.open("a") as f:
@@ -193,7 +207,7 @@ def run_serve(config: ServeConfig, prompts: list[Prompt], partial: Path | None =
                          **{k: v for k, v in asdict(config).items() if k not in ("links", "progress")},
                          "links": {p.name: str(p) for p in config.links}, "bundles": bundles},
             "runs": rows, "outputs": [{"batching": k[0], "link": k[1], "clients": k[2], "method": k[3],
-                                       "client": k[4], "tokens": v} for k, v in outputs.items()]}
+                                       "prompt": k[4], "tokens": v} for k, v in outputs.items()]}
 
 
 COLUMNS = (("tokens/s", "total_tokens_per_s", "{:.1f}"), ("client tok/s median", "client_tokens_per_s_median",
