@@ -155,12 +155,8 @@ def server_time(msg: P.Message) -> float:
     return sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
 
 
-def server_costs(link: Link) -> Costs | None:
-    return Costs.from_wire(link.welcome["costs"]) if link.welcome.get("costs") else None
-
-
 def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link, rtt: float) -> tuple[TreeConfig, str, Choice | None]:
-    costs = server_costs(link)
+    costs = link.costs
     if costs and bundle.agreement_topk:
         context = sum(costs.contexts) / 2
         draft_s = measure_draft(step, bundle.row_width, bundle.hidden_size)
@@ -185,6 +181,7 @@ class Link:
     def __init__(self, ws: ClientConnection, timeout_s: float):
         self.ws, self.timeout_s = ws, timeout_s
         self.welcome: dict[str, Any] = {}
+        self.costs: Costs | None = None  # what the server measured its rounds to cost (welcome.costs)
 
     @classmethod
     def open(cls, url: str, token: str | None, fingerprint: str, row_dtype: str, timeout_s: float,
@@ -207,6 +204,7 @@ class Link:
         try:
             link.send(P.encode(P.HELLO, {"fingerprint": fingerprint, "client": CLIENT_NAME, "row_dtype": row_dtype}))
             link.welcome = expect(decode_reply(link.recv()), P.WELCOME).fields
+            link.costs = Costs.from_wire(link.welcome["costs"]) if link.welcome.get("costs") else None
         except EdgeError:
             link.close()
             raise
@@ -442,7 +440,7 @@ class EdgeSession:
     def prior_s(self, mode: str, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
         """What the cost model, from what was measured at connect, predicts a generation in `mode` costs
         (moa_core.budget's `prior_s`, a round trip before the first token). None without the server's costs."""
-        costs = server_costs(self._link) if self._link is not None else None
+        costs = self._link.costs if self._link is not None else None
         if costs is None:
             return None
         return prior_s(costs, self.choice, prompt_tokens, new_tokens, plain=mode == "api", link_s=self.rtt_s)
@@ -619,9 +617,9 @@ class EdgeSession:
             self._sync(lost=True)
             return
         new = self.core.on_reply(reply)
-        costs = server_costs(self._link) if self.pacer is not None else None
+        costs = self._link.costs if self.pacer is not None else None
         if costs is not None:  # the server's time counts at what it measured at start: its load comes and goes
-            predicted = costs.verify_at(self.length, 1 + len(request.tree.tokens)) + (len(new) - 1) * costs.row_s
+            predicted = costs.round_target_s(self.length, 1 + len(request.tree.tokens), len(new))
             self.pacer.observe(True, len(new), time.perf_counter() - t, server_time(reply), predicted)
 
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
@@ -698,7 +696,7 @@ class EdgeSession:
             first = first or time.perf_counter()
             yield Chunk(msg.fields["text"])
         f = expect(msg, P.DONE).fields
-        costs = server_costs(self._link) if self.pacer is not None else None
+        costs = self._link.costs if self.pacer is not None else None
         if costs is not None and first is not None and len(f["tokens"]) > 1:
             n = len(f["tokens"]) - 1  # decoded after the first token came
             target_s = f["stats"].get("verify_s", 0.0) * n / len(f["tokens"])  # the server's decode forwards

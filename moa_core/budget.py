@@ -95,10 +95,15 @@ def verify_probes(limit: int = MAX_TREE) -> list[int]:
     return sorted({s for s in (1, 2, 4, 8, 16, 32, 64) if s <= sizes[-1]} | {sizes[-1]})
 
 
+def interp_size(by_n: Mapping[int, float], n: float) -> float:
+    """Seconds of a verify of n tokens, interpolated linearly between the sizes in `by_n`."""
+    sizes = sorted(by_n)
+    return float(np.interp(n, sizes, [by_n[s] for s in sizes]))
+
+
 def by_size(measured: Mapping[int, float], limit: int = MAX_TREE) -> dict[int, float]:
-    """Seconds of every candidate verify size, interpolated linearly between the timed `verify_probes`."""
-    probe = sorted(measured)
-    return {n: float(np.interp(n, probe, [measured[p] for p in probe])) for n in tree_sizes(limit)}
+    """Seconds of every candidate verify size, interpolated between the timed `verify_probes`."""
+    return {n: interp_size(measured, n) for n in tree_sizes(limit)}
 
 
 def draft_inputs(step, n: int, row_width: int, hidden_size: int, context: int = 256, memory: int = 256) -> tuple:
@@ -148,9 +153,12 @@ class Costs:
 
     def verify_at(self, context: float, n: float) -> float:
         """Verify round seconds of n tokens at this context (interpolated between the measured sizes)."""
-        by_size = self.verify(context)
-        sizes = sorted(by_size)
-        return float(np.interp(n, sizes, [by_size[s] for s in sizes]))
+        return interp_size(self.verify(context), n)
+
+    def round_target_s(self, context: float, n: float, gained: float) -> float:
+        """The target's side of a speculative round at this context: the verify of n tokens, and the memory rows
+        of each token `gained` beyond the root."""
+        return self.verify_at(context, n) + (gained - 1) * self.row_s
 
     def decode(self, context: float) -> float:
         return self._at(self.decode_s, context)

@@ -178,8 +178,7 @@ class SpeculativeEngine:
         """Predicted seconds of one speculative round of `tree` gaining `tau` tokens at `context`."""
         draft = self.draft_s
         frontier = float(np.interp(tree.topk, WIDTHS, [draft[w] for w in WIDTHS]))
-        return (draft[1] + (tree.depth - 1) * frontier + self.costs.verify_at(context, 1 + tree.total_tokens)
-                + (tau - 1) * self.costs.row_s)
+        return draft[1] + (tree.depth - 1) * frontier + self.costs.round_target_s(context, 1 + tree.total_tokens, tau)
 
     def prior_s(self, prompt_tokens: int, new_tokens: int) -> tuple[float, float] | None:
         """What the cost model, from what it measured at start, predicts a generation costs (moa_core.budget's
@@ -238,7 +237,7 @@ class SpeculativeEngine:
                     behind.append((new, step))
                 stats.plain_rounds += self.tree is not None
             if self.pacer is not None:
-                predicted = (self.costs.verify_at(context, size) + (len(new) - 1) * self.costs.row_s if speculate
+                predicted = (self.costs.round_target_s(context, size, len(new)) if speculate
                              else self.costs.decode(context))
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
                 if self.pacer.pays != self._said:
