@@ -199,7 +199,7 @@ def distill_loss(
     features: torch.Tensor,
     target_hidden: torch.Tensor,
     lm_head: nn.Module,
-    loss_mask: torch.Tensor,
+    weights: torch.Tensor,
     ce_weight: float = 0.1,
     ce_fraction: float = 1.0,
     generator: torch.Generator | None = None,
@@ -208,17 +208,18 @@ def distill_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SmoothL1(feature, target hidden) + ce_weight * CE against the target's next-token distribution (forward KL).
 
-    features/target_hidden (B, T, H); loss_mask (B, T) marks the positions that count. The CE term needs the LM
-    head on both sides, the costliest part on CPU: `ce_fraction` < 1 takes it on a random share of positions.
+    features/target_hidden (B, T, H); weights (B, T) say how much each position counts (0: not at all; a bool
+    mask works too). The CE term needs the LM head on both sides, the costliest part on CPU: `ce_fraction` < 1
+    takes it on a random share of positions.
     The target's distribution is softmax(lm_head(target_hidden)) over the head's vocabulary, or, from a feature
     cache, `target_topk` (ids (B,T,k) in the target vocabulary, probs (B,T,k)), mapped by `vocab_index` into a
     reduced draft vocabulary and renormalised over what falls inside it.
     """
     target_hidden = target_hidden.to(features.dtype)
-    m = loss_mask.to(torch.float32)
+    m = weights.to(torch.float32)
     l1 = (F.smooth_l1_loss(features.float(), target_hidden.float(), reduction="none").mean(-1) * m).sum()
-    l1 = l1 / m.sum().clamp(min=1)
-    pos = loss_mask.nonzero(as_tuple=True)
+    l1 = l1 / m.sum().clamp(min=1e-9)
+    pos = (m > 0).nonzero(as_tuple=True)
     if ce_fraction < 1.0 and len(pos[0]) > 1:
         keep = torch.randperm(len(pos[0]), generator=generator)[: max(1, int(len(pos[0]) * ce_fraction))]
         pos = (pos[0][keep], pos[1][keep])
@@ -228,7 +229,7 @@ def distill_loss(
     if target_topk is None:
         with torch.no_grad():
             p = torch.softmax(lm_head(target_hidden[pos]).float(), -1)
-        ce = -(p * logq).sum(-1).mean()
+        ce = -(p * logq).sum(-1)
         best = p.argmax(-1)
     else:
         ids, p = target_topk[0][pos], target_topk[1][pos].float()
@@ -237,7 +238,8 @@ def distill_loss(
             p = p * (ids >= 0)
         best = ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never agreed with)
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
-        ce = -(p * logq.gather(-1, ids.clamp(min=0))).sum(-1).mean()
+        ce = -(p * logq.gather(-1, ids.clamp(min=0))).sum(-1)
+    ce = (ce * m[pos]).sum() / m[pos].sum()
     acc = (logq.argmax(-1) == best).float().mean()
     loss = l1 + ce_weight * ce
     return loss, {"loss": loss.item(), "smooth_l1": l1.item(), "ce": ce.item(), "top1": acc.item()}

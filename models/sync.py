@@ -60,3 +60,11 @@ def loss_positions(response_mask: torch.Tensor, last_sync: torch.Tensor) -> torc
     nxt = torch.zeros_like(response_mask)
     nxt[:, :-1] = response_mask[:, 1:]
     return response_mask & nxt & (last_sync >= 0)
+
+
+def depth_weights(loss_mask: torch.Tensor, last_sync: torch.Tensor, decay: float) -> torch.Tensor:
+    """(B, T) float: loss weight decay**(d-1) at draft depth d = i - last_sync[i] (1 = the first draft after a sync).
+
+    Acceptance is a product over depths, so depth 1 weighs most at run time; decay 1 weighs every depth alike."""
+    depth = torch.arange(last_sync.shape[1]).view(1, -1) - last_sync
+    return loss_mask.float() * decay ** (depth - 1).clamp(min=0).float()

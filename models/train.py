@@ -29,7 +29,7 @@ from models.data import build_dataset, iter_source, load_encoded, token_frequenc
 from models.drafter import Drafter, distill_loss, trainable_parameters
 from models.features import FeatureCache
 from models.evaluate import chain_agreement
-from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
+from models.sync import depth_weights, last_sync_points, loss_positions, memory_mask, self_attention_mask
 from models.registry import build_drafter, load_drafter, load_target
 from models.target import Target, TargetStep, autocast
 
@@ -58,6 +58,7 @@ class TrainConfig:
     max_tokens: int | None = None
     ce_weight: float = 0.1
     ce_fraction: float = 0.25
+    depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -99,6 +100,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "max_tokens": "stop after this many (non-padding) tokens seen",
         "ce_weight": "weight of the cross-entropy term next to SmoothL1 on features",
         "ce_fraction": "share of loss positions that get the CE term (the LM head dominates CPU cost)",
+        "depth_decay": "weigh the loss at draft depth d (positions after the last sync point) by decay**(d-1): "
+                       "< 1 favours the first drafts, which count most in acceptance; 1 = all depths alike",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -174,12 +177,12 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     restrict = torch.rand(b, generator=g) < restrict_share
     dtype = torch.float32
     positions = torch.arange(t).view(1, t).expand(b, t)
-    lmask = loss_positions(resp, last) & pad.bool()
+    weights = depth_weights(loss_positions(resp, last) & pad.bool(), last, cfg.depth_decay)
     topk = (full.topk_ids, full.topk_probs) if full.topk_ids is not None else None
     with autocast(cfg.precision, ids.device, drafter.embed.weight.dtype):
         out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
                                     memory_mask(last, dtype))
-        loss = distill_loss(out.features, full.hidden, drafter.head, lmask, cfg.ce_weight, cfg.ce_fraction, g,
+        loss = distill_loss(out.features, full.hidden, drafter.head, weights, cfg.ce_weight, cfg.ce_fraction, g,
                             topk, drafter.vocab_index())
     return loss, int(pad.sum())
 

@@ -5,7 +5,7 @@ import torch
 
 from models.drafter import FingerprintMismatch
 from models.registry import build_drafter, load_drafter
-from models.sync import last_sync_points, loss_positions, memory_mask, self_attention_mask
+from models.sync import depth_weights, last_sync_points, loss_positions, memory_mask, self_attention_mask
 from models.target import causal_mask
 from tests.helpers import tree_attention_mask
 
@@ -155,3 +155,11 @@ def test_unknown_drafter_errors(tiny, tmp_path):
         build_drafter("medusa", tiny)
     with pytest.raises(FileNotFoundError, match="unknown drafter"):
         load_drafter(tmp_path / "nope", tiny)
+
+
+def test_depth_weights_favour_the_first_drafts_after_a_sync():
+    last = torch.tensor([[-1, 0, 1, 2, 2, 2, 5, 5]])
+    mask = torch.tensor([[False, True, True, True, True, True, True, False]])
+    w = depth_weights(mask, last, 0.5)
+    assert w.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.5, 0.25, 1.0, 0.0]]
+    assert torch.equal(depth_weights(mask, last, 1.0), mask.float())
