@@ -1,4 +1,4 @@
-"""`python -m bench single|edge|serve|offline|quantize ...` runs a benchmark; `python -m bench prompts ...` writes a
+"""`python -m bench single|edge|serve|offline|targets ...` runs a benchmark; `python -m bench prompts ...` writes a
 prompt set.
 
     python -m bench single --prompts sharegpt --methods vanilla,lookup,eagle,moa --max-new-tokens 128 \\
@@ -9,7 +9,7 @@ prompt set.
         --out runs/bench_offline
     python -m bench serve --prompts sharegpt --clients 1,2,4,8 --link lan --link 4g --max-new-tokens 64 \\
         --out runs/bench_serve
-    python -m bench quantize --prompts sharegpt --limit 10 --max-new-tokens 64 --out runs/quantize
+    python -m bench targets --prompts sharegpt --builds fp32,fp32-mkl,int8,bf16 --limit 10 --out runs/targets
     python -m bench prompts --set mixed --n 40 --out prompts.jsonl
 """
 
@@ -72,7 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--eagle-server", default=None, help="ws(s):// URL of a server with the EAGLE memory head; "
                    "default: start one on loopback with the shipped drafter")
     e.add_argument("--token", default=None, help="bearer token for the servers")
-    q = sub.add_parser("quantize", help="fp32 vs int8 target: greedy agreement, weights, tokens/s, verify times")
+    q = sub.add_parser("targets", aliases=["quantize"], help="builds of the target side by side (kernels, int8, "
+                       "bf16): greedy agreement, call-shape consistency, weights, tokens/s, verify times")
+    q.add_argument("--builds", default="fp32,int8", help="comma-separated, the first one the reference: "
+                   "fp32 (oneDNN GEMM on a CPU), fp32-mkl (MKL GEMM), int8, bf16 (default: %(default)s)")
     q.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
     q.add_argument("--limit", type=int, default=None, help="run the first N prompts only")
     q.add_argument("--max-new-tokens", type=int, default=64)
@@ -182,18 +185,17 @@ def benchmark(args: argparse.Namespace) -> None:
     print(f"\nwrote {out}/results.json, results.md, results.png, outputs.jsonl, prompts.jsonl")
 
 
-def quantize(args: argparse.Namespace) -> None:
-    """fp32 vs int8 target; writes results.json and results.md."""
+def targets(args: argparse.Namespace) -> None:
+    """Builds of the target side by side; writes results.json and results.md."""
     import torch
 
-    from bench.quantize import markdown, run_quantize
-    from models.registry import load_target
+    from bench.targets import load_build, markdown, run_targets
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit, args.heldout)
-    results = run_quantize(load_target(args.target, quantize="none"), load_target(args.target, quantize="int8"),
-                           prompts, args.max_new_tokens)
+    builds = [b.strip() for b in args.builds.split(",") if b.strip()]
+    results = run_targets({b: load_build(args.target, b) for b in builds}, prompts, args.max_new_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -248,8 +250,8 @@ def main(argv: list[str] | None = None) -> None:
             benchmark(args)
         elif args.command == "serve":
             serve(args)
-        elif args.command == "quantize":
-            quantize(args)
+        elif args.command in ("targets", "quantize"):
+            targets(args)
         else:
             prompts = builtin_prompts(args.set, args.heldout)[: args.n]
             write_prompts(prompts, args.out)

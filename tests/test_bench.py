@@ -148,3 +148,21 @@ def test_link_profiles_and_the_proxy_delays_and_caps():
                 assert time.perf_counter() - start >= at_least
     assert proxy.bytes == {"up": 500_010, "down": 500_010}
     server.close()
+
+
+def test_target_builds_side_by_side(two_prompts, tmp_path):
+    out = tmp_path / "targets"
+    main(["targets", "--prompts", str(two_prompts), "--builds", "fp32,fp32-mkl,bf16", "--max-new-tokens", "6",
+          "--target", "tiny", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    builds = results["targets"]
+    assert list(builds) == ["fp32", "fp32-mkl", "bf16"] and results["settings"]["reference"] == "fp32"
+    assert builds["fp32"]["top1_agreement"] == 1.0 and builds["fp32"]["identical_outputs"] == 1.0
+    assert builds["bf16"]["weights_mib"] < builds["fp32"]["weights_mib"]
+    for f in builds.values():
+        assert f["tokens_per_s"] > 0 and set(f["verify_ms"]) == {"1", "2", "5", "9", "17"}
+        assert f["call_shape"]["positions"] > 0
+    assert builds["fp32"]["call_shape"]["max_logit_diff"] < 1e-4
+    assert "| bf16 |" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["targets", "--prompts", str(two_prompts), "--builds", "fp16", "--target", "tiny", "--out", str(out)])
