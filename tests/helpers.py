@@ -1,16 +1,23 @@
 """Shared test helpers: quickly trained tiny drafters, so that speculative paths really get accepted; the edge's
 I/O-free core driven over a plain protocol client; a server that resets every connection; tree masks; the
-chi-square check that sampling keeps the target's distribution of the first two tokens."""
+chi-square check that sampling keeps the target's distribution of the first two tokens; the tiny target, servers and
+CLI of the client tests; a subprocess where torch and transformers cannot be imported."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
+from edge_client.client import Chunk
 from edge_client.core import EdgeCore, Request, State, Stats
 from moa_core import protocol as P
 from moa_core.drafting import DraftSession, DraftStep
@@ -18,9 +25,11 @@ from moa_core.generation import StopRule
 from moa_core.tree import TreeConfig, ancestor_matrix
 from models.data import Encoded
 from models.drafter import trainable_parameters
-from models.registry import build_drafter
+from models.registry import build_drafter, load_target
+from models.tiny import tiny_target
 from models.train import TrainConfig, collate, train_step_loss
 from models.verify import target_probs, verify_tree
+from server.process import ServerProcess
 
 
 def tree_attention_mask(parents: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -199,3 +208,75 @@ def chi_square_p(counts, joint, n):
         obs = torch.cat([obs, observed[small].sum().view(1)])
         exp = torch.cat([exp, expected[small].sum().view(1)])
     return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+# ---- the edge against real servers (test_client, test_faults) ------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "edge-test-token"
+TREE = "4,2,8"
+NEW = 48
+PROMPT = "hello there"
+FAST_BACKOFF = (0.05, 0.3)
+
+
+def varied_target(path: Path):
+    """The tiny Llama with an untied random LM head, saved as a Hugging Face model and loaded back as the server
+    loads it. The shipped tiny target repeats one token; this one's greedy text varies, so offline text diverges."""
+    target = tiny_target(dtype=torch.float32)
+    model = target.model
+    with torch.no_grad():
+        weight = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    model.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return load_target(str(path))
+
+
+def verify_server(target: Path, drafter: Path) -> ServerProcess:
+    """`python -m server` for the test target and drafter on a loopback port, with the test token."""
+    return ServerProcess(["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--log-level",
+                          "warning"], env={"OMP_NUM_THREADS": "1", "MOA_TOKENS": TOKEN})
+
+
+def apply(chunks: Iterable[Chunk], text: str = "") -> str:
+    """What a reader of the stream sees: each chunk deletes `rewind` characters, then appends itself."""
+    for chunk in chunks:
+        text = text[:len(text) - chunk.rewind] + chunk
+    return text
+
+
+def pull_until(chunks: Iterator[Chunk], done) -> list[Chunk]:
+    out = []
+    while not done():
+        out.append(next(chunks))
+    return out
+
+
+def edge_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "edge_client", "--threads", "1", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ---- edge-only code, where torch and transformers cannot be imported ------------------------------------------
+
+BLOCKED = ("torch", "transformers")
+
+BLOCKER = f"""
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ImportError("blocked on the edge: " + name)
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def run_blocked(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where importing torch or transformers raises ImportError."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    script = BLOCKER + code + f"\nassert not {{m.split('.')[0] for m in sys.modules}} & set({BLOCKED!r})\n"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)

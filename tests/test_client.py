@@ -8,52 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import pytest
-import torch
 
 from moa_core import protocol as P
-from edge_client.client import AsyncEdgeSession, Chunk, EdgeSession, LinkDown, ServerError, common_prefix
+from edge_client.client import AsyncEdgeSession, EdgeSession, LinkDown, ServerError, common_prefix
 from moa_core.drafting import OfflineGuard
 from export.to_onnx import export_bundle
-from models.registry import load_target
-from models.tiny import tiny_target
-from server.process import ServerProcess, free_port
-from tests.helpers import train_tiny
-
-ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "edge-test-token"
-TREE = "4,2,8"
-NEW = 48
-PROMPT = "hello there"
-FAST_BACKOFF = (0.05, 0.3)
-
-
-def varied_target(path: Path):
-    """The tiny Llama with an untied random LM head, saved as a Hugging Face model and loaded back as the server
-    loads it. The shipped tiny target repeats one token; this one's greedy text varies, so offline text diverges."""
-    target = tiny_target(dtype=torch.float32)
-    model = target.model
-    with torch.no_grad():
-        weight = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.5
-    model.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
-    model.config.tie_word_embeddings = False
-    model.save_pretrained(path)
-    target.tokenizer.save_pretrained(path)
-    return load_target(str(path))
-
-
-def verify_server(target: Path, drafter: Path) -> ServerProcess:
-    """`python -m server` for the test target and drafter on a loopback port, with the test token."""
-    return ServerProcess(["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--log-level",
-                          "warning"], env={"OMP_NUM_THREADS": "1", "MOA_TOKENS": TOKEN})
-
+from server.process import free_port
+from tests.helpers import FAST_BACKOFF, NEW, PROMPT, TOKEN, TREE, apply, edge_cli, pull_until, train_tiny, \
+    varied_target, verify_server
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> Iterator[dict]:
@@ -91,26 +57,6 @@ def reference(api) -> list[int]:
     out = api.complete(PROMPT, max_new_tokens=NEW).token_ids
     assert len(out) == NEW and len(set(out)) > 4  # a real text, not one token repeated
     return out
-
-
-def apply(chunks: Iterable[Chunk], text: str = "") -> str:
-    """What a reader of the stream sees: each chunk deletes `rewind` characters, then appends itself."""
-    for chunk in chunks:
-        text = text[:len(text) - chunk.rewind] + chunk
-    return text
-
-
-def pull_until(chunks: Iterator[Chunk], done) -> list[Chunk]:
-    out = []
-    while not done():
-        out.append(next(chunks))
-    return out
-
-
-def edge_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "edge_client", "--threads", "1", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 # ---- online ---------------------------------------------------------------------------------------------------

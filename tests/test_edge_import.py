@@ -1,37 +1,13 @@
 """The edge package and the core it shares never import torch or transformers (docs/design.md §8): every
-edge_client and moa_core module is imported in a subprocess where both raise ImportError. `run_blocked` is reusable for other edge-only checks."""
+edge_client and moa_core module is imported in a subprocess where both raise ImportError. (`tests.helpers.run_blocked`)."""
 
 from __future__ import annotations
 
-import os
 import pkgutil
-import subprocess
-import sys
-from pathlib import Path
 
 import edge_client
 import moa_core
-
-ROOT = Path(__file__).resolve().parents[1]
-BLOCKED = ("torch", "transformers")
-
-BLOCKER = f"""
-import sys
-class _Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {BLOCKED!r}:
-            raise ImportError("blocked on the edge: " + name)
-sys.meta_path.insert(0, _Block())
-"""
-
-
-def run_blocked(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter where importing torch or transformers raises ImportError."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    script = BLOCKER + code + f"\nassert not {{m.split('.')[0] for m in sys.modules}} & set({BLOCKED!r})\n"
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
+from tests.helpers import run_blocked
 
 def edge_modules() -> list[str]:
     packages = (edge_client, moa_core)

@@ -19,7 +19,7 @@ from export.to_onnx import ExportError, export_bundle
 from models.registry import build_drafter, load_drafter, load_target
 from models.engine import TorchDraftStep
 from models.verify import verify_tree
-from tests.test_edge_import import run_blocked
+from tests.helpers import run_blocked
 
 PROMPTS = ("hello there", "What is 2 plus 2?")
 MESSAGES = [

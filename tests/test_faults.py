@@ -21,9 +21,8 @@ from edge_client.client import EdgeSession, Link, LinkDown
 from export.to_onnx import export_bundle
 from models.registry import build_drafter
 from server.process import ServerProcess
-from tests.helpers import ResetServer
-from tests.test_client import FAST_BACKOFF, NEW, PROMPT, TOKEN, TREE, apply, edge_cli, pull_until, varied_target, \
-    verify_server
+from tests.helpers import FAST_BACKOFF, NEW, PROMPT, TOKEN, TREE, ResetServer, apply, edge_cli, pull_until, \
+    varied_target, verify_server
 
 WAIT_S = 300  # bounds every wait below; none is a timing assertion
 

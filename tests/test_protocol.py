@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moa_core import protocol as P
-from tests.test_edge_import import run_blocked
+from tests.helpers import run_blocked
 
 ROOT = Path(__file__).resolve().parents[1]
 
