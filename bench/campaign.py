@@ -21,10 +21,15 @@ from models.defaults import resolve_drafter_path
 def run_curve(run: Path) -> dict:
     """One run directory -> {arch, points: [{tokens, wall_s, expected_tau, depth_agreement}], final}."""
     cfg = json.loads((run / "train_config.json").read_text())
+    record_file = run / "drafter" / "training_record.json"
+    record = json.loads(record_file.read_text()) if record_file.exists() else None
     prior = {"tokens": 0, "wall_s": 0.0}
-    if cfg.get("init"):
-        record = json.loads((resolve_drafter_path(cfg["init"]) / "config.json").read_text()).get("training") or {}
-        prior = {"tokens": record.get("tokens_seen", 0), "wall_s": record.get("wall_time_s", 0.0)}
+    if record and record.get("legs"):  # a finished run: what its own record says came before its leg
+        prior = {"tokens": record["tokens_seen"] - record["legs"][-1]["tokens"],
+                 "wall_s": record["wall_time_s"] - record["legs"][-1]["wall_time_s"]}
+    elif cfg.get("init"):  # still running: the drafter it continues (which a later leg may have replaced since)
+        earlier = json.loads((resolve_drafter_path(cfg["init"]) / "config.json").read_text()).get("training") or {}
+        prior = {"tokens": earlier.get("tokens_seen", 0), "wall_s": earlier.get("wall_time_s", 0.0)}
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     by_step = {r["step"]: r for r in rows if "loss" in r}  # a resumed run repeats steps: the last one counts
     evals = {r["step"]: r["eval"] for r in rows if "eval" in r and r["step"] in by_step}
@@ -32,9 +37,7 @@ def run_curve(run: Path) -> dict:
                "wall_s": prior["wall_s"] + by_step[step]["wall_s"], "expected_tau": ev["expected_tau"],
                "depth_agreement": ev["depth_agreement"]} for step, ev in sorted(evals.items())]
     final, legs = None, []
-    record_file = run / "drafter" / "training_record.json"
-    if record_file.exists():
-        record = json.loads(record_file.read_text())
+    if record:
         final = {"tokens": record["tokens_seen"], "wall_s": record["wall_time_s"],
                  "expected_tau": record["heldout"]["expected_tau"],
                  "depth_agreement": record["heldout"]["depth_agreement"]}
