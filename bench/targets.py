@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 
 from bench.prompts import Prompt
 from bench.runs import machine, now
 from models.costmodel import measure_costs
+from models.cpu_gemm import use_mkl
 from models.engine import SpeculativeEngine
 from models.registry import load_target
 from models.target import Target
@@ -40,9 +40,7 @@ def load_build(name: str, build: str) -> Target:
     target = load_target(name, dtype=torch.bfloat16 if build == "bf16" else torch.float32,
                          quantize="int8" if build == "int8" else "none")
     if build == "fp32-mkl":
-        for m in target.model.modules():
-            if isinstance(m, nn.Linear):
-                m.__class__ = nn.Linear
+        use_mkl(target.model)
     return target
 
 

@@ -40,3 +40,11 @@ def use_onednn(model: nn.Module) -> int:
     for m in linears:
         m.__class__ = OneDNNLinear
     return len(linears)
+
+
+def use_mkl(model: nn.Module) -> int:
+    """Undo `use_onednn`: every `OneDNNLinear` of `model` back to a plain `nn.Linear` (for comparisons)."""
+    layers = [m for m in model.modules() if type(m) is OneDNNLinear]
+    for m in layers:
+        m.__class__ = nn.Linear
+    return len(layers)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.cpu_gemm import MIN_WEIGHT, OneDNNLinear, use_onednn
+from models.cpu_gemm import MIN_WEIGHT, OneDNNLinear, use_mkl, use_onednn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
 
@@ -47,3 +47,4 @@ def test_small_layers_stay_on_mkl_and_tied_weights_stay_tied():
     wide.weight = embed.weight
     assert use_onednn(model) == 1
     assert type(small) is nn.Linear and type(wide) is OneDNNLinear and wide.weight is embed.weight
+    assert use_mkl(model) == 1 and type(wide) is nn.Linear and wide.weight is embed.weight
