@@ -117,7 +117,7 @@ class Target:
     def __init__(self, model, tokenizer, name: str, fingerprint: str | None = None):
         self.model = model.eval()
         if self.device.type == "cpu":
-            use_onednn(self.model)  # about 1.25x faster fp32 inference on a CPU, as consistent (models/cpu_gemm.py)
+            use_onednn(self.model)  # faster wide layers and verify rounds on a CPU (models/cpu_gemm.py)
         self.tokenizer = tokenizer
         self.name = name
         self.spec = TargetSpec.from_config(name, model.config)
