@@ -19,11 +19,13 @@ Builds: `fp32` (the reference: float32, oneDNN GEMM on a CPU), `fp32-mkl` (float
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 
 from bench.prompts import Prompt
 from bench.runs import machine, now
+from edge_client.core import common_prefix
 from models.costmodel import measure_costs
 from models.cpu_gemm import use_mkl
 from models.engine import SpeculativeEngine
@@ -80,9 +82,7 @@ def run_targets(targets: dict[str, Target], prompts: list[Prompt], max_new_token
     """`targets`: builds by name, the first one the reference."""
     engines = {m: SpeculativeEngine(t, None) for m, t in targets.items()}
     reference = next(iter(targets))
-    new, seconds = {m: 0 for m in engines}, {m: 0.0 for m in engines}
-    agree = {m: 0 for m in engines}
-    identical, prefix = {m: 0 for m in engines}, {m: 0 for m in engines}
+    tally = {m: Counter() for m in engines}  # new tokens, seconds, agreeing positions, identical replies, prefix
     for e in engines.values():  # warm-up
         e.generate(prompts[0].turns[0], max_new_tokens=8)
     positions, transcripts = 0, []
@@ -92,23 +92,23 @@ def run_targets(targets: dict[str, Target], prompts: list[Prompt], max_new_token
         for m, e in engines.items():
             t = time.perf_counter()
             replies[m] = e.generate(ids, max_new_tokens=max_new_tokens).token_ids
-            seconds[m] += time.perf_counter() - t
-            new[m] += len(replies[m])
+            tally[m]["seconds"] += time.perf_counter() - t
+            tally[m]["new"] += len(replies[m])
         a = replies[reference]
         positions += len(a)
         transcripts.append(ids + a)
         for m, b in replies.items():
-            agree[m] += teacher_forced_agreement(targets[reference], targets[m], ids, a)
-            identical[m] += a == b
-            prefix[m] += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            tally[m]["agree"] += teacher_forced_agreement(targets[reference], targets[m], ids, a)
+            tally[m]["identical"] += a == b
+            tally[m]["prefix"] += common_prefix(a, b)
     longest = max(transcripts, key=len)
     results = {}
     for m, target in targets.items():
-        costs = measure_costs(target)
-        results[m] = {"weights_mib": weights_mib(target), "tokens_per_s": new[m] / seconds[m],
-                      "verify_ms": {n: 1e3 * costs.verify_s[0][n] for n in SIZES},
-                      "verify_context": costs.contexts[0], "top1_agreement": agree[m] / max(1, positions),
-                      "identical_outputs": identical[m] / len(prompts), "common_prefix": prefix[m] / len(prompts),
+        costs, n = measure_costs(target), tally[m]
+        results[m] = {"weights_mib": weights_mib(target), "tokens_per_s": n["new"] / n["seconds"],
+                      "verify_ms": {size: 1e3 * costs.verify_s[0][size] for size in SIZES},
+                      "verify_context": costs.contexts[0], "top1_agreement": n["agree"] / max(1, positions),
+                      "identical_outputs": n["identical"] / len(prompts), "common_prefix": n["prefix"] / len(prompts),
                       "call_shape": call_shape_consistency(target, longest)}
     return {
         "settings": {"benchmark": "targets", "machine": machine(), "threads": torch.get_num_threads(),

@@ -9,6 +9,12 @@ from models.cpu_gemm import MIN_WEIGHT, OneDNNLinear, use_mkl, use_onednn
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
 
 
+def ops_run_by(fn) -> set[str]:
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
 def wide_linear(bias: bool = True) -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(576, 1536, bias=bias)
@@ -21,6 +27,7 @@ def test_onednn_linear_computes_what_nn_linear_computes(shape):
     assert use_onednn(nn.Sequential(layer)) == 1 and type(layer) is OneDNNLinear
     x = torch.randn(*shape)
     with torch.no_grad():
+        assert "mkldnn::_linear_pointwise" in ops_run_by(lambda: layer(x))
         assert torch.allclose(layer(x), reference(x), atol=1e-5, rtol=1e-5)
         assert layer(x).shape == (*shape[:-1], 1536)
 
@@ -29,7 +36,8 @@ def test_gradients_autocast_and_other_dtypes_take_nn_linear():
     layer = wide_linear()
     use_onednn(nn.Sequential(layer))
     x = torch.randn(3, 576, requires_grad=True)
-    layer(x).sum().backward()  # the oneDNN op has no backward: this only works through the fallback
+    assert "mkldnn::_linear_pointwise" not in ops_run_by(lambda: layer(x))
+    layer(x).sum().backward()  # the oneDNN op has no backward (its inputs would get no gradient)
     assert x.grad is not None and layer.weight.grad is not None
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(torch.randn(2, 576)).dtype == torch.bfloat16
