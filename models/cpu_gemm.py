@@ -6,7 +6,7 @@ several tokens (576 -> 1,536 over 8 tokens: 219 -> 137 us), about even for one t
 slower for small layers, where its ~10 us a call dominates: layers under MIN_WEIGHT elements stay on MKL. The
 target's logits stay as consistent across call shapes as before (8 tokens in one call vs one by one: ~5e-5 either
 way), so speculation stays lossless. Anything this kernel does not serve falls back to `nn.Linear`: gradients,
-autocast (training), other dtypes, ONNX export.
+autocast (training), other dtypes, tracing (ONNX export, torch.compile).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class OneDNNLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype != torch.float32 or self.weight.dtype != torch.float32 or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                or torch.is_autocast_enabled("cpu") or torch.onnx.is_in_onnx_export()):
+                or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.weight, self.bias, "none", [], "")
