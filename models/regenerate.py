@@ -1,13 +1,16 @@
 """On-policy data: the target answers the prompts of a conversation source itself.
 
 A drafter imitates what the target says, so training on the target's own answers (greedy, like the benchmark)
-raises acceptance. Batched greedy decoding with a KV cache (finished rows leave the batch, so long answers do
+raises acceptance. `--temperature T` samples instead: more answers from the target's own distribution to the same
+prompts once the greedy ones are all there (rows get the id suffix `@tT`, so greedy and sampled rows can share a
+file). Batched decoding with a KV cache (finished rows leave the batch, so long answers do
 not keep short ones' slots busy), resumable (appends to the output and skips ids already there), with a
 progress bar in tokens/s.
 
     python -m models.regenerate --source sharegpt --out data/onpolicy.jsonl --n 1000
     python -m models.regenerate --source humaneval --out data/onpolicy.jsonl --n 1100   # adds code prompts
     python -m models.regenerate --source bench/sharegpt_heldout.jsonl --out data/heldout.jsonl   # Spec-Bench
+    python -m models.regenerate --source sharegpt --out data/sampled.jsonl --n 3000 --temperature 0.8
 
 Prompts whose id is in `--exclude` (a jsonl with `id` or `question_id`, e.g. the benchmark's held-out prompts)
 are never answered, so a drafter trained on the output has not seen the benchmark.
@@ -78,8 +81,10 @@ def prompts(source: str, tokenizer, max_prompt_tokens: int, exclude: set[str] = 
 
 
 @torch.no_grad()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int) -> list[list[int]]:
-    """Greedy answers (without the end-of-turn token) to left-padded prompts, decoded together."""
+def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int,
+                 temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Answers (without the end-of-turn token) to left-padded prompts, decoded together: greedy at temperature 0,
+    else sampled from softmax(logits / temperature)."""
     from transformers import DynamicCache
 
     width = max(map(len, prompts))
@@ -92,7 +97,10 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]
     while True:
-        nxt = logits.argmax(-1)
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)
         keep = []
         for row, (i, t) in enumerate(zip(alive, nxt.tolist())):
             if t not in eos:
@@ -126,8 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantize", choices=["none", "int8"], default="none",
                    help="int8: int8 Linear layers, ~2x faster on a CPU; answers drift slightly from the fp32 "
                         "target's (recorded in each row's generated_by)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy answers (what the greedy benchmark sees); > 0: sampled answers, ids get '@tT'")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -135,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     tok = target.tokenizer
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    suffix = f"@t{args.temperature:g}" if args.temperature > 0 else ""
     done = {json.loads(line)["id"] for line in open(out)} if out.exists() else set()
-    exclude = read_ids(args.exclude) | done
+    exclude = read_ids(args.exclude) | {i.removesuffix(suffix) for i in done if i.endswith(suffix)}
     todo = []
     for item in prompts(args.source, tok, args.max_prompt_tokens, exclude):
         if len(done) + len(todo) >= args.n:
@@ -146,17 +160,20 @@ def main(argv: list[str] | None = None) -> None:
     chunk = 16 * args.batch_size
     todo = [x for i in range(0, len(todo), chunk) for x in sorted(todo[i : i + chunk], key=lambda x: len(x[2]))]
     pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(target.eos_token_ids)[0]
+    label = target.label + (f", sampled at temperature {args.temperature:g}" if suffix else "")
+    generator = torch.Generator().manual_seed(args.seed)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
     t0, new_tokens = time.time(), 0
     with open(out, "a") as f:
         for b in range(0, len(todo), args.batch_size):
             batch = todo[b : b + args.batch_size]
-            answers = greedy_batch(target.model, [x[2] for x in batch], args.max_new_tokens, target.eos_token_ids, pad)
+            answers = answer_batch(target.model, [x[2] for x in batch], args.max_new_tokens, target.eos_token_ids, pad,
+                                   args.temperature, generator)
             for (sid, prompt, _), answer in zip(batch, answers):
                 new_tokens += len(answer)
                 reply = tok.decode(answer, skip_special_tokens=True)
                 conv = prompt + [{"role": "assistant", "content": reply}]
-                f.write(json.dumps({"id": sid, "conversations": conv, "generated_by": target.label,
+                f.write(json.dumps({"id": sid + suffix, "conversations": conv, "generated_by": label,
                                     "answer_tokens": len(answer)}) + "\n")
             f.flush()
             bar.update(len(batch))

@@ -12,9 +12,9 @@ import torch
 from models.data import token_frequencies
 from models.registry import build_drafter, load_drafter
 from models.features import FeatureCache, build_cache, main as features_main
-from models.regenerate import greedy_batch
+from models.regenerate import answer_batch, main as regenerate_main
 from models.train import TrainConfig, collate, main as train_main, train_step_loss
-from tests.helpers import greedy_continuations
+from tests.helpers import chi_square_p, greedy_continuations
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +95,44 @@ def test_target_layer_init_copies_the_target_layers(tiny):
 def test_batched_regeneration_equals_one_at_a_time(tiny):
     prompts = [[5, 9, 11, 3], [7, 8], [20, 21, 22, 23, 24, 25]]
     eos = {int(tiny.tokenizer.eos_token_id)}
-    batched = greedy_batch(tiny.model, prompts, 12, eos, pad=0)
+    batched = answer_batch(tiny.model, prompts, 12, eos, pad=0)
     for p, got in zip(prompts, batched):
-        assert got == greedy_batch(tiny.model, [p], 12, eos, pad=0)[0]
+        assert got == answer_batch(tiny.model, [p], 12, eos, pad=0)[0]
         assert 0 < len(got) <= 12
+
+
+def test_sampled_regeneration_keeps_the_target_distribution(tiny):
+    """At temperature T the first answer token of many copies of one prompt follows softmax(logits / T)."""
+    prompt, n, temperature = [5, 9, 11, 3], 4000, 0.7
+    with torch.no_grad():
+        logits = tiny.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    probs = torch.softmax(logits.double() / temperature, -1)
+    answers = answer_batch(tiny.model, [prompt] * n, 1, set(), pad=0, temperature=temperature,
+                           generator=torch.Generator().manual_seed(3))
+    counts: dict = {}
+    for (t,) in answers:
+        counts[(0, t)] = counts.get((0, t), 0) + 1
+    assert chi_square_p(counts, probs.view(1, -1), n) > 1e-3
+    greedy = answer_batch(tiny.model, [prompt] * n, 1, set(), pad=0)
+    assert sum(a != g for a, g in zip(answers, greedy)) > n // 10  # it really samples
+
+
+def test_sampled_regeneration_resumes_beside_greedy_rows(tmp_path):
+    """Sampled rows get the suffix '@tT' and the temperature in generated_by; a resumed run adds only new prompts,
+    and the greedy rows in the same file do not count as answered at that temperature."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "conversations": [{"role": "user", "content": f"tell me {i}"}]})
+                              + "\n" for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    common = ["--target", "tiny", "--source", str(source), "--out", str(out), "--max-new-tokens", "4"]
+    regenerate_main([*common, "--n", "2"])
+    regenerate_main([*common, "--n", "4", "--temperature", "0.8"])
+    regenerate_main([*common, "--n", "5", "--temperature", "0.8"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["p0", "p1", "p0@t0.8", "p1@t0.8", "p2@t0.8"]
+    assert "temperature 0.8" in rows[-1]["generated_by"] and "temperature" not in rows[0]["generated_by"]
+    with pytest.raises(SystemExit):
+        regenerate_main([*common, "--temperature", "-1"])
 
 
 def test_training_legs_accumulate(tiny, tmp_path, samples):
