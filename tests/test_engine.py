@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moa_core.tree import TreeConfig, ancestor_matrix, build_tree
+from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.verify import Sampling, tree_mask_and_positions
 from tests.helpers import chi_square_p, first_two, greedy_continuations, joint_first_two, train_tiny
@@ -20,8 +20,6 @@ def drafters(tiny):
 
 
 def test_tree_mask_sees_exactly_the_ancestors():
-    from moa_core.tree import DraftTree
-
     parents = np.array([-1, -1, 0, 0, 2, 1])
     depths = np.array([1, 1, 2, 2, 3, 2])
     tree = DraftTree(np.arange(6), parents, depths, np.zeros((7, 1), np.int64), np.zeros((7, 1), np.float32))
@@ -73,9 +71,9 @@ def test_greedy_is_lossless(tiny, drafters, arch, tree):
 
 
 def test_int8_target_is_batch_invariant_and_greedy_lossless():
-    """Per-token activation scales and an exact integer matmul: a token's output does not depend on the rest of the
-    call (on this tiny target, whose attention is exact enough too), so a tree verify sees what one-token decoding
-    sees and greedy speculation on the int8 target equals its vanilla decoding."""
+    """Per-token activation scales, an exact integer matmul and row-by-row attention: a token's output does not depend
+    on the rest of the call, so a tree verify sees what one-token decoding sees and greedy speculation on the int8
+    target equals its vanilla decoding."""
     from models.quant import Int8Linear
     from models.tiny import tiny_target
 
@@ -99,6 +97,40 @@ def test_int8_target_is_batch_invariant_and_greedy_lossless():
         forwards[0] += a.stats.target_forwards
         forwards[1] += b.stats.target_forwards
     assert forwards[1] < 0.8 * forwards[0], forwards  # paths really get accepted
+
+
+def test_real_int8_target_is_call_shape_invariant_and_greedy_lossless():
+    """The real target in int8: a chain verified in one call, a tree whose accepted path is not its first branch, and
+    a prefill give the logits of one-token decoding bit for bit (with a fused attention kernel they differ by up to
+    ~2 and flip argmaxes), and greedy speculation with the shipped MoA drafter equals int8 vanilla decoding."""
+    from models.registry import load_drafter, load_target
+
+    target = load_target("default", quantize="int8")
+    prompt = target.encode_chat([{"role": "user", "content": "Explain how a bicycle gear works."}])
+    runner = target.new_runner()
+    seq = [int(runner.forward(prompt, logits="last").logits[0].argmax())]
+    alone = []
+    for _ in range(10):
+        alone.append(runner.forward(seq[-1:]).logits[0])
+        seq.append(int(alone[-1].argmax()))
+    alone = torch.stack(alone)
+    runner.crop(len(prompt))
+    assert torch.equal(runner.forward(seq[:10]).logits, alone)  # a chain
+    runner.crop(len(prompt))
+    wrong = (seq[1] + 7) % target.spec.vocab_size
+    parents = np.array([-1, -1, 1, 2])  # root, then a wrong first child, the true path under the second one
+    tree = DraftTree(np.array([wrong, *seq[1:4]]), parents, np.array([1, 1, 2, 3]), np.zeros((5, 1), np.int64),
+                     np.zeros((5, 1), np.float32))
+    mask, positions = tree_mask_and_positions(tree, len(prompt), torch.float32, "cpu")
+    logits = runner.forward([seq[0], wrong, *seq[1:4]], positions=positions, tree_mask=mask).logits
+    assert torch.equal(logits[[0, 2, 3, 4]], alone[:4])
+    prefilled = target.new_runner()
+    assert torch.equal(prefilled.forward(prompt + seq[:3]).logits[-3:], alone[:3])  # a prefill of the same tokens
+    vanilla = SpeculativeEngine(target, None)
+    spec = SpeculativeEngine(target, load_drafter("default", target), tree="4,2,8")
+    for question in ("What is the capital of France?", "Write a haiku about the sea."):
+        p = target.encode_chat([{"role": "user", "content": question}])
+        assert spec.generate(p, max_new_tokens=32).token_ids == vanilla.generate(p, max_new_tokens=32).token_ids
 
 
 def test_each_generation_is_predicted_before_it_runs(tiny, drafters):
