@@ -143,7 +143,8 @@ class Target:
 
         Runners then attend row by row (`batch_invariant`), so a token's logits are bit for bit the same however it
         is grouped with others, in a tree verify, a prefill or a batch of sequences: greedy speculation on this
-        target reproduces its vanilla decoding exactly."""
+        target reproduces its vanilla decoding exactly. (Sliding-window caches, which run the model's own forward, keep
+        its fused attention.)"""
         from models.quant import quantize_linears
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
