@@ -40,6 +40,7 @@ class DraftOutput:
     features: torch.Tensor  # (B, n, H): the drafter's estimate of the target's last hidden state
     keys: torch.Tensor  # (B, h_kv, T+n, d): self-attention cache after this step
     values: torch.Tensor
+    memory: torch.Tensor | None = None  # (B, T, R): MoA's memory rows of a training pass, for reuse
 
 
 class Drafter(nn.Module):
@@ -126,11 +127,12 @@ class Drafter(nn.Module):
 
     def train_forward(
         self, ids: torch.Tensor, step: TargetStep, positions: torch.Tensor, sa_mask: torch.Tensor,
-        memory_mask: torch.Tensor,
+        memory_mask: torch.Tensor, memory: torch.Tensor | None = None,
     ) -> DraftOutput:
         """The training pass over whole sequences (B, T), with the target's activations of every position.
 
-        Returns features only (logits None): the loss applies the LM head where it needs it."""
+        Returns features only (logits None): the loss applies the LM head where it needs it. `memory` reuses the
+        memory rows of an earlier pass over the same batch (MoA)."""
         raise NotImplementedError
 
     @property

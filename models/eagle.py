@@ -69,7 +69,7 @@ class EagleDrafter(Drafter):
         x, k, v = self.layer(x, positions, mask, past_k, past_v)
         return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
-    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask=None) -> DraftOutput:
+    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask=None, memory=None) -> DraftOutput:
         """Teacher forcing on the target's features, shifted by one, with uniform noise while training."""
         hidden = step.hidden.to(self.fc.weight.dtype)
         features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)

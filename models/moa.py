@@ -32,6 +32,7 @@ class MoAConfig:
     lsa_intermediate: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
@@ -83,6 +84,21 @@ class MoADrafter(Drafter):
         self.lsa_proj = nn.Linear(2 * config.target_kv_width, config.hidden_size, bias=False)
         self.sa = DecoderLayer(config.sa())
         self.ca = CrossAttentionLayer(config.ca())
+        self.lsa_weights: nn.Parameter | None = None
+        if config.lsa_pool == "weighted":
+            self.use_weighted_pool()
+        elif config.lsa_pool != "mean":
+            raise ValueError(f"lsa_pool is mean or weighted, got {config.lsa_pool!r}")
+
+    def use_weighted_pool(self) -> None:
+        """Pool the LSA's L outputs with learned per-layer weights, starting at the plain mean (so a drafter
+        trained with the mean keeps its function). The plain mean adds every layer's raw [key; value] to the
+        residual sum alike, which buries the late layers that carry the target's next-token view."""
+        if self.lsa_weights is None:
+            L = self.config.target_layers
+            self.lsa_weights = nn.Parameter(torch.full((L,), 1.0 / L, device=self.lsa_proj.weight.device,
+                                                       dtype=self.lsa_proj.weight.dtype))
+        self.config.lsa_pool = "weighted"
 
     @property
     def row_width(self) -> int:
@@ -100,7 +116,8 @@ class MoADrafter(Drafter):
         z = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(b * n, L, 2 * w)
         layer_pos = torch.arange(L, device=z.device).view(1, L)  # broadcasts over the b*n tokens
         z, _, _ = self.lsa(z, layer_pos, None)
-        return self.lsa_proj(z.mean(dim=1)).view(b, n, -1)
+        pooled = z.mean(dim=1) if self.lsa_weights is None else torch.einsum("tld,l->td", z, self.lsa_weights)
+        return self.lsa_proj(pooled).view(b, n, -1)
 
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
         keys, values = step.keys.to(self.lsa_proj.weight.dtype), step.values.to(self.lsa_proj.weight.dtype)
@@ -113,8 +130,10 @@ class MoADrafter(Drafter):
         x = self.ca(x, positions, memory, memory_mask)
         return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
-    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask) -> DraftOutput:
+    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask, memory=None) -> DraftOutput:
         """Whole sequences in one pass: memory rows of every position, CA limited by `memory_mask` (sync points)."""
-        memory = self.memory_rows(step, positions)
-        return self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask,
-                               with_logits=False)
+        memory = self.memory_rows(step, positions) if memory is None else memory
+        out = self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask,
+                              with_logits=False)
+        out.memory = memory
+        return out

@@ -59,6 +59,8 @@ class TrainConfig:
     ce_weight: float = 0.1
     ce_fraction: float = 0.25
     depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
+    lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
+    sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -102,6 +104,12 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "ce_fraction": "share of loss positions that get the CE term (the LM head dominates CPU cost)",
         "depth_decay": "weigh the loss at draft depth d (positions after the last sync point) by decay**(d-1): "
                        "< 1 favours the first drafts, which count most in acceptance; 1 = all depths alike",
+        "lsa_pool": "MoA only: how the LSA pools its L layer outputs: mean (the paper) or weighted (learned "
+                    "per-layer weights starting at the mean; a --init drafter can switch to it); '' keeps the "
+                    "drafter's own",
+        "sync_weight": "MoA only: add this weight x the loss of every response position with CA seeing memory up to "
+                       "its own position (depth 0). The target's next-token view at a token is then in reach of "
+                       "its memory row, which teaches the LSA and memory rows to carry it (0 = off)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -179,12 +187,20 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     positions = torch.arange(t).view(1, t).expand(b, t)
     weights = depth_weights(loss_positions(resp, last) & pad.bool(), last, cfg.depth_decay)
     topk = (full.topk_ids, full.topk_probs) if full.topk_ids is not None else None
+    sa_mask = self_attention_mask(last, lengths, restrict, dtype)
     with autocast(cfg.precision, ids.device, drafter.embed.weight.dtype):
-        out = drafter.train_forward(ids, full, positions, self_attention_mask(last, lengths, restrict, dtype),
-                                    memory_mask(last, dtype))
-        loss = distill_loss(out.features, full.hidden, drafter.head, weights, cfg.ce_weight, cfg.ce_fraction, g,
-                            topk, drafter.vocab_index())
-    return loss, int(pad.sum())
+        out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(last, dtype))
+        loss, logs = distill_loss(out.features, full.hidden, drafter.head, weights, cfg.ce_weight, cfg.ce_fraction,
+                                  g, topk, drafter.vocab_index())
+        if cfg.sync_weight:
+            own = positions.clone()  # depth 0: every position is its own last sync point
+            own_out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(own, dtype), out.memory)
+            own_weights = loss_positions(resp, own) & pad.bool()
+            own_loss, own_logs = distill_loss(own_out.features, full.hidden, drafter.head, own_weights,
+                                              cfg.ce_weight, cfg.ce_fraction, g, topk, drafter.vocab_index())
+            loss = loss + cfg.sync_weight * own_loss
+            logs.update(loss=loss.item(), sync_loss=own_logs["loss"], sync_top1=own_logs["top1"])
+    return (loss, logs), int(pad.sum())
 
 
 def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
@@ -202,6 +218,12 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
+    if (cfg.sync_weight or cfg.lsa_pool) and drafter.arch != "moa":
+        raise ValueError("--sync-weight and --lsa-pool are for MoA drafters (EAGLE has no LSA or memory rows)")
+    if cfg.lsa_pool == "weighted":
+        drafter.use_weighted_pool()
+    elif cfg.lsa_pool and cfg.lsa_pool != drafter.config.lsa_pool:
+        raise ValueError(f"--lsa-pool {cfg.lsa_pool} cannot undo the {drafter.config.lsa_pool} pool of {cfg.init}")
     size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
     if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
         counts = token_frequencies(train_set)

@@ -163,3 +163,25 @@ def test_depth_weights_favour_the_first_drafts_after_a_sync():
     w = depth_weights(mask, last, 0.5)
     assert w.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.5, 0.25, 1.0, 0.0]]
     assert torch.equal(depth_weights(mask, last, 1.0), mask.float())
+
+
+def test_weighted_lsa_pool_starts_at_the_mean(tmp_path, tiny):
+    """Switching a trained MoA drafter to the learned per-layer pool keeps its memory rows; the weights then act
+    per layer and survive save / load."""
+    torch.manual_seed(2)
+    d = build_drafter("moa", tiny).eval()
+    ids, step, _, _ = sequence(tiny)
+    before = d.memory_rows(step, positions())
+    d.use_weighted_pool()
+    torch.testing.assert_close(d.memory_rows(step, positions()), before)
+    with torch.no_grad():
+        d.lsa_weights.zero_()
+        d.lsa_weights[-1] = 1.0  # the last layer alone
+    only_last = d.memory_rows(step, positions())
+    assert not torch.allclose(only_last, before)
+    d.save_pretrained(tmp_path / "w")
+    again = load_drafter(tmp_path / "w", tiny)
+    assert again.config.lsa_pool == "weighted"
+    torch.testing.assert_close(again.memory_rows(step, positions()), only_last.to(again.lsa_proj.weight.dtype))
+    with pytest.raises(ValueError, match="lsa_pool"):
+        build_drafter("moa", tiny, lsa_pool="max")

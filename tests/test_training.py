@@ -4,6 +4,7 @@ batched on-policy regeneration."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from models.data import token_frequencies
 from models.registry import build_drafter, load_drafter
 from models.features import FeatureCache, build_cache, main as features_main
 from models.regenerate import answer_batch, main as regenerate_main
-from models.train import TrainConfig, collate, main as train_main, train_step_loss
+from models.drafter import distill_loss
+from models.train import TrainConfig, collate, main as train_main, make_drafter, train_step_loss
 from tests.helpers import chi_square_p, greedy_continuations
 
 
@@ -159,3 +161,31 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     assert record["steps"] == 5 and record["tokens_seen"] == sum(leg["tokens"] for leg in record["legs"])
     assert record["draft_vocab_size"] == 32
     assert load_drafter(tmp_path / "c/drafter", tiny).draft_vocab.numel() == 32
+
+
+def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
+    """--sync-weight w adds w x the loss of every response position whose CA sees the memory row of the position
+    itself (depth 0), and that pass really reads the own row; EAGLE refuses it."""
+    from models.sync import loss_positions, memory_mask
+
+    torch.manual_seed(0)
+    drafter = build_drafter("moa", tiny).float()
+    ids, resp, lens = collate(samples[:3])
+    base = TrainConfig(sync_min=2, sync_max=5, precision="fp32", ce_fraction=1.0)
+    (plain, _), _ = train_step_loss(drafter, tiny, ids, resp, lens, base, 3, 0.0)
+    (total, logs), _ = train_step_loss(drafter, tiny, ids, resp, lens, replace(base, sync_weight=0.5), 3, 0.0)
+    b, t = ids.shape
+    pos = torch.arange(t).view(1, t).expand(b, t)
+    sa = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+    step = tiny.full_forward(ids, attention_mask=(pos < lens.view(b, 1)).long())
+    memory = drafter.memory_rows(step, pos).detach().requires_grad_(True)
+    own = drafter.train_forward(ids, step, pos, sa, memory_mask(pos.clone()), memory)
+    weights = loss_positions(resp, pos.clone()) & (pos < lens.view(b, 1))
+    own_loss, _ = distill_loss(own.features, step.hidden, drafter.head, weights, base.ce_weight, 1.0)
+    assert abs(total.item() - plain.item() - 0.5 * own_loss.item()) < 1e-4 * total.item()
+    assert logs["sync_loss"] == pytest.approx(own_loss.item(), rel=1e-4)
+    i = int(resp[0].nonzero()[3])
+    (grad,) = torch.autograd.grad(own.features[0, i].sum(), memory)
+    assert grad[0, i].abs().sum() > 0 and grad[0, i + 1 :].abs().sum() == 0
+    with pytest.raises(ValueError, match="sync-weight"):
+        make_drafter(replace(base, arch="eagle", sync_weight=0.5), tiny, samples)
