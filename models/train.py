@@ -193,9 +193,9 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
         loss, logs = distill_loss(out.features, full.hidden, drafter.head, weights, cfg.ce_weight, cfg.ce_fraction,
                                   g, topk, drafter.vocab_index())
         if cfg.sync_weight:
-            own = positions.clone()  # depth 0: every position is its own last sync point
-            own_out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(own, dtype), out.memory)
-            own_weights = loss_positions(resp, own) & pad.bool()
+            # depth 0: every position is its own last sync point
+            own_out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(positions, dtype), out.memory)
+            own_weights = loss_positions(resp, positions) & pad.bool()
             own_loss, own_logs = distill_loss(own_out.features, full.hidden, drafter.head, own_weights,
                                               cfg.ce_weight, cfg.ce_fraction, g, topk, drafter.vocab_index())
             loss = loss + cfg.sync_weight * own_loss
@@ -220,10 +220,12 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
     if (cfg.sync_weight or cfg.lsa_pool) and drafter.arch != "moa":
         raise ValueError("--sync-weight and --lsa-pool are for MoA drafters (EAGLE has no LSA or memory rows)")
+    if cfg.lsa_pool not in ("", "mean", "weighted"):
+        raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":
         drafter.use_weighted_pool()
-    elif cfg.lsa_pool and cfg.lsa_pool != drafter.config.lsa_pool:
-        raise ValueError(f"--lsa-pool {cfg.lsa_pool} cannot undo the {drafter.config.lsa_pool} pool of {cfg.init}")
+    elif cfg.lsa_pool == "mean" and drafter.config.lsa_pool != "mean":
+        raise ValueError(f"--lsa-pool mean cannot undo the weighted pool of {cfg.init}")
     size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
     if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
         counts = token_frequencies(train_set)

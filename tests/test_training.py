@@ -167,6 +167,7 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
     """--sync-weight w adds w x the loss of every response position whose CA sees the memory row of the position
     itself (depth 0), and that pass really reads the own row; EAGLE refuses it."""
     from models.sync import loss_positions, memory_mask
+    from models.target import causal_mask
 
     torch.manual_seed(0)
     drafter = build_drafter("moa", tiny).float()
@@ -176,11 +177,11 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
     (total, logs), _ = train_step_loss(drafter, tiny, ids, resp, lens, replace(base, sync_weight=0.5), 3, 0.0)
     b, t = ids.shape
     pos = torch.arange(t).view(1, t).expand(b, t)
-    sa = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+    sa = causal_mask(t).view(1, 1, t, t)
     step = tiny.full_forward(ids, attention_mask=(pos < lens.view(b, 1)).long())
     memory = drafter.memory_rows(step, pos).detach().requires_grad_(True)
-    own = drafter.train_forward(ids, step, pos, sa, memory_mask(pos.clone()), memory)
-    weights = loss_positions(resp, pos.clone()) & (pos < lens.view(b, 1))
+    own = drafter.train_forward(ids, step, pos, sa, memory_mask(pos), memory)
+    weights = loss_positions(resp, pos) & (pos < lens.view(b, 1))
     own_loss, _ = distill_loss(own.features, step.hidden, drafter.head, weights, base.ce_weight, 1.0)
     assert abs(total.item() - plain.item() - 0.5 * own_loss.item()) < 1e-4 * total.item()
     assert logs["sync_loss"] == pytest.approx(own_loss.item(), rel=1e-4)
