@@ -61,6 +61,7 @@ class TrainConfig:
     depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
     lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
+    pool_lr_scale: float = 1.0  # MoA weighted pool: the pooling weights learn at this multiple of the lr
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -110,6 +111,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "sync_weight": "MoA only: add this weight x the loss of every response position with CA seeing memory up to "
                        "its own position (depth 0). The target's next-token view at a token is then in reach of "
                        "its memory row, which teaches the LSA and memory rows to carry it (0 = off)",
+        "pool_lr_scale": "MoA weighted pool only: the L pooling weights learn at this multiple of --lr. They start at "
+                         "1/L, so at the drafter's own rate they barely move in a leg",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -218,8 +221,9 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool) and drafter.arch != "moa":
-        raise ValueError("--sync-weight and --lsa-pool are for MoA drafters (EAGLE has no LSA or memory rows)")
+    if (cfg.sync_weight or cfg.lsa_pool or cfg.pool_lr_scale != 1.0) and drafter.arch != "moa":
+        raise ValueError("--sync-weight, --lsa-pool and --pool-lr-scale are for MoA drafters (EAGLE has no LSA or "
+                         "memory rows)")
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":
@@ -231,6 +235,16 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
         counts = token_frequencies(train_set)
         drafter.set_draft_vocab(counts.most_common_ids(cfg.draft_vocab) if cfg.draft_vocab else None)
     return drafter
+
+
+def param_groups(drafter: Drafter, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict]:
+    """AdamW groups, each with an `lr_scale` on the schedule: the MoA pooling weights (when learned) apart."""
+    pool = getattr(drafter, "lsa_weights", None)
+    rest = [p for p in params if p is not pool]
+    groups = [{"params": rest, "lr_scale": 1.0}]
+    if pool is not None and len(rest) < len(params):
+        groups.append({"params": [pool], "lr_scale": cfg.pool_lr_scale})
+    return groups
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -315,7 +329,7 @@ def setup(cfg: TrainConfig, resume: bool = False) -> tuple[Run, TrainState]:
     params = trainable_parameters(drafter)
     cache = (FeatureCache.open(cfg.features, train_set, target, need_kv=cfg.arch == "moa") if cfg.features
              else None)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(param_groups(drafter, params, cfg), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     prepared, opt = acc.prepare(drafter, opt)
     run = Run(cfg, acc, target, data, Path(cfg.out), train_set, heldout, lengths, per_epoch, total_steps, prepared,
               acc.unwrap_model(prepared), params, opt, cache)
@@ -340,7 +354,7 @@ def train_step(run: Run, state: TrainState, restrict_share: float) -> dict | Non
     ids, resp, lens = (x.to(acc.device) for x in collate([run.train_set[j] for j in indices]))
     full = run.cache.step(indices, ids.shape[1], acc.device) if run.cache else None
     for group in run.opt.param_groups:
-        group["lr"] = lr_at(state.step, run.total_steps, cfg)
+        group["lr"] = lr_at(state.step, run.total_steps, cfg) * group["lr_scale"]
     with acc.accumulate(run.drafter):
         (loss, logs), n_tokens = train_step_loss(run.raw, run.target, ids, resp, lens, cfg, state.micro,
                                                  restrict_share, full)

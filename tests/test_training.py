@@ -162,6 +162,13 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     assert record["draft_vocab_size"] == 32
     assert load_drafter(tmp_path / "c/drafter", tiny).draft_vocab.numel() == 32
 
+    # a leg that switches to the weighted pool: its weights take one AdamW step of ~ pool_lr_scale x the lr
+    # (Adam's first step moves each parameter by about the lr; lr 5e-4 / 50 warm-up steps at step 0)
+    train_main(["--arch", "moa", "--out", str(tmp_path / "d"), "--steps", "1", "--init", str(tmp_path / "c/drafter"),
+                "--lsa-pool", "weighted", "--pool-lr-scale", "100", *common])
+    moved = (load_drafter(tmp_path / "d/drafter", tiny).lsa_weights - 1 / tiny.spec.n_layers).abs().max().item()
+    assert 5e-4 < moved < 2e-3
+
 
 def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
     """--sync-weight w adds w x the loss of every response position whose CA sees the memory row of the position
