@@ -221,15 +221,17 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool or cfg.pool_lr_scale != 1.0) and drafter.arch != "moa":
-        raise ValueError("--sync-weight, --lsa-pool and --pool-lr-scale are for MoA drafters (EAGLE has no LSA or "
-                         "memory rows)")
+    if (cfg.sync_weight or cfg.lsa_pool) and drafter.arch != "moa":
+        raise ValueError("--sync-weight and --lsa-pool are for MoA drafters (EAGLE has no LSA or memory rows)")
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":
         drafter.use_weighted_pool()
     elif cfg.lsa_pool == "mean" and drafter.config.lsa_pool != "mean":
         raise ValueError(f"--lsa-pool mean cannot undo the weighted pool of {cfg.init}")
+    if cfg.pool_lr_scale != 1.0 and getattr(drafter, "lsa_weights", None) is None:
+        raise ValueError("--pool-lr-scale needs learned pooling weights: --lsa-pool weighted, or an --init MoA "
+                         "drafter that has them")
     size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
     if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
         counts = token_frequencies(train_set)
@@ -239,11 +241,11 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
 
 def param_groups(drafter: Drafter, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict]:
     """AdamW groups, each with an `lr_scale` on the schedule: the MoA pooling weights (when learned) apart."""
-    pool = getattr(drafter, "lsa_weights", None)
-    rest = [p for p in params if p is not pool]
-    groups = [{"params": rest, "lr_scale": 1.0}]
-    if pool is not None and len(rest) < len(params):
-        groups.append({"params": [pool], "lr_scale": cfg.pool_lr_scale})
+    weights = getattr(drafter, "lsa_weights", None)
+    pool = [p for p in params if p is weights]
+    groups = [{"params": [p for p in params if p is not weights], "lr_scale": 1.0}]
+    if pool:
+        groups.append({"params": pool, "lr_scale": cfg.pool_lr_scale})
     return groups
 
 

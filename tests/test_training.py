@@ -197,3 +197,5 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
     assert grad[0, i].abs().sum() > 0 and grad[0, i + 1 :].abs().sum() == 0
     with pytest.raises(ValueError, match="sync-weight"):
         make_drafter(replace(base, arch="eagle", sync_weight=0.5), tiny, samples)
+    with pytest.raises(ValueError, match="pool-lr-scale"):  # the plain mean has no weights to scale
+        make_drafter(replace(base, pool_lr_scale=50.0), tiny, samples)
