@@ -33,6 +33,7 @@ class MoAConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
+    lsa_skip_layers: int = 0  # the last n target layers' raw [key; value] also reach m_t through a Linear (0: the paper)
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
@@ -89,6 +90,9 @@ class MoADrafter(Drafter):
             self.use_weighted_pool()
         elif config.lsa_pool != "mean":
             raise ValueError(f"lsa_pool is mean or weighted, got {config.lsa_pool!r}")
+        self.lsa_skip: nn.Linear | None = None
+        if config.lsa_skip_layers:
+            self.use_lsa_skip(config.lsa_skip_layers)
 
     def use_weighted_pool(self) -> None:
         """Pool the LSA's L outputs with learned per-layer weights, starting at the plain mean (so a drafter
@@ -99,6 +103,22 @@ class MoADrafter(Drafter):
             self.lsa_weights = nn.Parameter(torch.full((L,), 1.0 / L, device=self.lsa_proj.weight.device,
                                                        dtype=self.lsa_proj.weight.dtype))
         self.config.lsa_pool = "weighted"
+
+    def use_lsa_skip(self, n: int) -> None:
+        """Add a Linear from the last `n` target layers' raw [key; value] straight to m_t, beside the LSA's pool.
+        It starts at zero, so a trained drafter keeps its function. Why: the pool of L layer outputs keeps about
+        what a plain layer mean keeps, while the last layer's [key; value] alone carries the target's next-token
+        view (README, "Why MoA is stuck")."""
+        L = self.config.target_layers
+        if not 0 < n <= L:
+            raise ValueError(f"lsa_skip_layers is 1..{L} (the target's layers), got {n}")
+        if self.lsa_skip is not None and self.config.lsa_skip_layers != n:
+            raise ValueError(f"this drafter's LSA skip reads {self.config.lsa_skip_layers} layers, not {n}")
+        if self.lsa_skip is None:
+            w = self.lsa_proj.weight
+            self.lsa_skip = nn.Linear(n * w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            nn.init.zeros_(self.lsa_skip.weight)
+        self.config.lsa_skip_layers = n
 
     @property
     def row_width(self) -> int:
@@ -111,13 +131,17 @@ class MoADrafter(Drafter):
         return self.config.sa_kv_heads, self.config.head_dim
 
     def layer_summary(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """LSA: per token, a decoder layer over the L per-layer [key; value] vectors, mean, Linear -> m (B,n,H)."""
+        """LSA: per token, a decoder layer over the L per-layer [key; value] vectors, mean, Linear -> m (B,n,H);
+        plus the skip from the last layers' raw [key; value] when the drafter has one."""
         b, L, n, w = keys.shape
-        z = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(b * n, L, 2 * w)
-        layer_pos = torch.arange(L, device=z.device).view(1, L)  # broadcasts over the b*n tokens
-        z, _, _ = self.lsa(z, layer_pos, None)
+        kv = torch.cat([keys, values], dim=-1).permute(0, 2, 1, 3).reshape(b * n, L, 2 * w)
+        layer_pos = torch.arange(L, device=kv.device).view(1, L)  # broadcasts over the b*n tokens
+        z, _, _ = self.lsa(kv, layer_pos, None)
         pooled = z.mean(dim=1) if self.lsa_weights is None else torch.einsum("tld,l->td", z, self.lsa_weights)
-        return self.lsa_proj(pooled).view(b, n, -1)
+        m = self.lsa_proj(pooled)
+        if self.lsa_skip is not None:
+            m = m + self.lsa_skip(kv[:, L - self.config.lsa_skip_layers:].flatten(1))
+        return m.view(b, n, -1)
 
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
         keys, values = step.keys.to(self.lsa_proj.weight.dtype), step.values.to(self.lsa_proj.weight.dtype)

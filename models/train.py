@@ -62,6 +62,7 @@ class TrainConfig:
     lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
     pool_lr_scale: float = 1.0  # MoA weighted pool: the pooling weights learn at this multiple of the lr
+    lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -113,6 +114,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
                        "its memory row, which teaches the LSA and memory rows to carry it (0 = off)",
         "pool_lr_scale": "MoA weighted pool only: the L pooling weights learn at this multiple of --lr. They start at "
                          "1/L, so at the drafter's own rate they barely move in a leg",
+        "lsa_skip_layers": "MoA only: feed the last N target layers' raw [key; value] to the memory summary m_t through "
+                           "a Linear beside the LSA's pool, starting at zero so a --init drafter keeps its function "
+                           "(0 keeps the drafter's own; the paper has none)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -221,8 +225,11 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool) and drafter.arch != "moa":
-        raise ValueError("--sync-weight and --lsa-pool are for MoA drafters (EAGLE has no LSA or memory rows)")
+    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers) and drafter.arch != "moa":
+        raise ValueError("--sync-weight, --lsa-pool and --lsa-skip-layers are for MoA drafters (EAGLE has no LSA or "
+                         "memory rows)")
+    if cfg.lsa_skip_layers:
+        drafter.use_lsa_skip(cfg.lsa_skip_layers)
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":

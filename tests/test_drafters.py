@@ -185,3 +185,39 @@ def test_weighted_lsa_pool_starts_at_the_mean(tmp_path, tiny):
     torch.testing.assert_close(again.memory_rows(step, positions()), only_last.to(again.lsa_proj.weight.dtype))
     with pytest.raises(ValueError, match="lsa_pool"):
         build_drafter("moa", tiny, lsa_pool="max")
+
+
+def test_lsa_skip_starts_at_zero_and_reads_the_last_layers(tmp_path, tiny):
+    """The skip from the last layers' raw [key; value] keeps a trained drafter's memory rows when added; once
+    trained, those layers reach m_t through it as well as through the pool (the first layer only through the
+    pool), and it survives save / load."""
+    torch.manual_seed(3)
+    d = build_drafter("moa", tiny).eval()
+    ids, step, _, _ = sequence(tiny)
+    before = d.memory_rows(step, positions())
+    d.use_lsa_skip(2)
+    torch.testing.assert_close(d.memory_rows(step, positions()), before)
+    with torch.no_grad():
+        d.lsa_skip.weight.normal_(0, 0.05)
+    trained = d.memory_rows(step, positions())
+    assert not torch.allclose(trained, before)
+
+    def shift(layer: int) -> torch.Tensor:  # how m_t (before CA's norm) moves when one layer's values move
+        moved = step.values.clone()
+        moved[:, layer] += 1.0
+        return d.layer_summary(step.keys, moved) - d.layer_summary(step.keys, step.values)
+
+    with_skip = shift(0), shift(-1)
+    skip, d.lsa_skip = d.lsa_skip, None
+    pool_only = shift(0), shift(-1)
+    d.lsa_skip = skip
+    torch.testing.assert_close(with_skip[0], pool_only[0])  # the first layer reaches m_t through the pool only
+    assert not torch.allclose(with_skip[1], pool_only[1])  # the last one through the skip as well
+    d.save_pretrained(tmp_path / "s")
+    again = load_drafter(tmp_path / "s", tiny)
+    assert again.config.lsa_skip_layers == 2
+    torch.testing.assert_close(again.memory_rows(step, positions()), trained.to(again.lsa_proj.weight.dtype))
+    with pytest.raises(ValueError, match="reads 2 layers"):
+        again.use_lsa_skip(1)
+    with pytest.raises(ValueError, match="lsa_skip_layers"):
+        build_drafter("moa", tiny, lsa_skip_layers=tiny.spec.n_layers + 1)
