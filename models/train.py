@@ -61,7 +61,7 @@ class TrainConfig:
     depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
     lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
-    pool_lr_scale: float = 1.0  # MoA weighted pool: the pooling weights learn at this multiple of the lr
+    pool_lr_scale: float = 1.0  # MoA: the weighted pool's weights and the skip learn at this multiple of the lr
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     eval_every: int = 200
     eval_samples: int = 8
@@ -112,8 +112,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "sync_weight": "MoA only: add this weight x the loss of every response position with CA seeing memory up to "
                        "its own position (depth 0). The target's next-token view at a token is then in reach of "
                        "its memory row, which teaches the LSA and memory rows to carry it (0 = off)",
-        "pool_lr_scale": "MoA weighted pool only: the L pooling weights learn at this multiple of --lr. They start at "
-                         "1/L, so at the drafter's own rate they barely move in a leg",
+        "pool_lr_scale": "MoA: the LSA's added pooling parameters (the weighted pool's L weights, the skip's Linear) "
+                         "learn at this multiple of --lr. They start at 1/L and at zero, so at the drafter's own rate "
+                         "they barely move in a leg",
         "lsa_skip_layers": "MoA only: feed the last N target layers' raw [key; value] to the memory summary m_t through "
                            "a Linear beside the LSA's pool, starting at zero so a --init drafter keeps its function "
                            "(0 keeps the drafter's own; the paper has none)",
@@ -236,9 +237,9 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
         drafter.use_weighted_pool()
     elif cfg.lsa_pool == "mean" and drafter.config.lsa_pool != "mean":
         raise ValueError(f"--lsa-pool mean cannot undo the weighted pool of {cfg.init}")
-    if cfg.pool_lr_scale != 1.0 and getattr(drafter, "lsa_weights", None) is None:
-        raise ValueError("--pool-lr-scale needs learned pooling weights: --lsa-pool weighted, or an --init MoA "
-                         "drafter that has them")
+    if cfg.pool_lr_scale != 1.0 and not pooling_parameters(drafter):
+        raise ValueError("--pool-lr-scale needs learned pooling parameters: --lsa-pool weighted or --lsa-skip-layers, "
+                         "or an --init MoA drafter that has them")
     size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
     if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
         counts = token_frequencies(train_set)
@@ -247,13 +248,20 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
 
 
 def param_groups(drafter: Drafter, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict]:
-    """AdamW groups, each with an `lr_scale` on the schedule: the MoA pooling weights (when learned) apart."""
-    weights = getattr(drafter, "lsa_weights", None)
-    pool = [p for p in params if p is weights]
-    groups = [{"params": [p for p in params if p is not weights], "lr_scale": 1.0}]
-    if pool:
-        groups.append({"params": pool, "lr_scale": cfg.pool_lr_scale})
+    """AdamW groups, each with an `lr_scale` on the schedule: the MoA pooling parameters (when learned) apart."""
+    pooling = {id(p) for p in pooling_parameters(drafter)}
+    groups = [{"params": [p for p in params if id(p) not in pooling], "lr_scale": 1.0}]
+    if pooling:
+        groups.append({"params": [p for p in params if id(p) in pooling], "lr_scale": cfg.pool_lr_scale})
     return groups
+
+
+def pooling_parameters(drafter: Drafter) -> list[nn.Parameter]:
+    """What MoA adds to the paper's LSA pool, each starting where it keeps the drafter's function: the weighted
+    pool's per-layer weights and the skip's Linear. At the drafter's own lr they barely move in a leg."""
+    skip = getattr(drafter, "lsa_skip", None)
+    return [p for p in (getattr(drafter, "lsa_weights", None), skip.weight if skip is not None else None)
+            if p is not None]
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:

@@ -162,15 +162,15 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     assert record["draft_vocab_size"] == 32
     assert load_drafter(tmp_path / "c/drafter", tiny).draft_vocab.numel() == 32
 
-    # a leg that switches to the weighted pool and adds the LSA skip: the pooling weights take one AdamW step of
-    # ~ pool_lr_scale x the lr, the skip (from zero) one of ~ the lr (Adam's first step moves each parameter by
-    # about the lr; lr 5e-4 / 50 warm-up steps at step 0)
+    # a leg that switches to the weighted pool and adds the LSA skip: the pooling weights and the skip (from zero)
+    # take one AdamW step of ~ pool_lr_scale x the lr (Adam's first step moves each parameter by about the lr;
+    # lr 5e-4 / 50 warm-up steps at step 0)
     train_main(["--arch", "moa", "--out", str(tmp_path / "d"), "--steps", "1", "--init", str(tmp_path / "c/drafter"),
                 "--lsa-pool", "weighted", "--pool-lr-scale", "100", "--lsa-skip-layers", "1", *common])
     d = load_drafter(tmp_path / "d/drafter", tiny)
     moved = (d.lsa_weights - 1 / tiny.spec.n_layers).abs().max().item()
     assert 5e-4 < moved < 2e-3
-    assert d.config.lsa_skip_layers == 1 and 5e-6 < d.lsa_skip.weight.abs().max().item() < 2e-5
+    assert d.config.lsa_skip_layers == 1 and 5e-4 < d.lsa_skip.weight.abs().max().item() < 2e-3
 
 
 def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
