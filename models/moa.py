@@ -120,6 +120,27 @@ class MoADrafter(Drafter):
             nn.init.zeros_(self.lsa_skip.weight)
         self.config.lsa_skip_layers = n
 
+    def widen_memory(self, kv_heads: int) -> None:
+        """Give CA `kv_heads` key/value heads, so that each memory row carries 2 * kv_heads * d numbers instead of
+        2 * ca_kv_heads * d. Query head j read key/value head j // g (g query heads a group); the new heads start as
+        copies along that map, so the drafter keeps its function. Why: a row of 3 heads of 64 is narrower than the
+        target's hidden state, and a probe reads less of the target's next-token view from it than from m_t."""
+        old, c = self.config.ca_kv_heads, self.config
+        if kv_heads == old:
+            return
+        if kv_heads < old or kv_heads % old or c.ca_heads % kv_heads:
+            raise ValueError(f"CA can widen from {old} key/value heads to a multiple of {old} that divides its "
+                             f"{c.ca_heads} query heads, not {kv_heads}")
+        heads = torch.arange(kv_heads) // (kv_heads // old)  # the old head each new one copies
+        a = self.ca.self_attn
+        for name in ("k_proj", "v_proj"):
+            w = getattr(a, name).weight.detach().view(old, c.head_dim, -1)[heads].reshape(kv_heads * c.head_dim, -1)
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            layer.weight.data.copy_(w)
+            setattr(a, name, layer)
+        c.ca_kv_heads = kv_heads
+        self.ca.c.n_kv_heads = kv_heads
+
     @property
     def row_width(self) -> int:
         return self.ca.row_width

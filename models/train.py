@@ -63,6 +63,7 @@ class TrainConfig:
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
     pool_lr_scale: float = 1.0  # MoA: the weighted pool's weights and the skip learn at this multiple of the lr
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
+    ca_kv_heads: int = 0  # MoA: widen CA (and so the memory rows) to this many key/value heads (0 keeps them)
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -118,6 +119,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "lsa_skip_layers": "MoA only: feed the last N target layers' raw [key; value] to the memory summary m_t through "
                            "a Linear beside the LSA's pool, starting at zero so a --init drafter keeps its function "
                            "(0 keeps the drafter's own; the paper has none)",
+        "ca_kv_heads": "MoA only: widen a --init drafter's CA to N key/value heads (a multiple of its own that divides "
+                       "its query heads); the new heads start as copies, so it keeps its function, and every memory "
+                       "row (what the server sends per token) grows to 2*N*head_dim numbers (0 keeps them)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -226,11 +230,13 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers) and drafter.arch != "moa":
-        raise ValueError("--sync-weight, --lsa-pool and --lsa-skip-layers are for MoA drafters (EAGLE has no LSA or "
-                         "memory rows)")
+    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers or cfg.ca_kv_heads) and drafter.arch != "moa":
+        raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers and --ca-kv-heads are for MoA drafters (EAGLE "
+                         "has no LSA or memory rows)")
     if cfg.lsa_skip_layers:
         drafter.use_lsa_skip(cfg.lsa_skip_layers)
+    if cfg.ca_kv_heads:
+        drafter.widen_memory(cfg.ca_kv_heads)
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":

@@ -221,3 +221,25 @@ def test_lsa_skip_starts_at_zero_and_reads_the_last_layers(tmp_path, tiny):
         again.use_lsa_skip(1)
     with pytest.raises(ValueError, match="lsa_skip_layers"):
         build_drafter("moa", tiny, lsa_skip_layers=tiny.spec.n_layers + 1)
+
+
+def test_widened_memory_keeps_the_drafter_and_carries_more(tmp_path, tiny):
+    """CA widened to more key/value heads (the new ones copies of the heads their query heads read) drafts exactly
+    as before from wider memory rows, and survives save / load."""
+    torch.manual_seed(4)
+    d = build_drafter("moa", tiny).eval()
+    ids, step, last, _ = sequence(tiny)
+    sa, mem = masks(last)
+    before = d.train_forward(ids, step, positions(), sa, mem).features
+    old = d.config.ca_kv_heads
+    wide = old * (d.config.ca_heads // old)
+    d.widen_memory(wide)
+    out = d.train_forward(ids, step, positions(), sa, mem)
+    torch.testing.assert_close(out.features, before)
+    assert out.memory.shape[-1] == d.row_width == 2 * wide * d.config.head_dim
+    d.save_pretrained(tmp_path / "w", dtype=torch.float64)
+    again = load_drafter(tmp_path / "w", tiny)
+    assert again.config.ca_kv_heads == wide
+    torch.testing.assert_close(again.train_forward(ids, step, positions(), sa, mem).features.double(), before)
+    with pytest.raises(ValueError, match="widen"):
+        again.widen_memory(wide + 1)
