@@ -204,3 +204,30 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
         make_drafter(replace(base, arch="eagle", lsa_skip_layers=1), tiny, samples)
     with pytest.raises(ValueError, match="pool-lr-scale"):  # the plain mean has no weights to scale
         make_drafter(replace(base, pool_lr_scale=50.0), tiny, samples)
+
+
+def test_probes_score_what_each_stage_of_the_memory_path_carries(tiny, tiny_moa, tmp_path):
+    """models.probe: a probe from the target's own last hidden state agrees with it everywhere, one from noise
+    hardly; the CLI scores every stage of a drafter's memory path in [0, 1] and writes them."""
+    from dataclasses import asdict
+
+    from models.probe import main as probe_main, ridge_top1
+
+    rows = greedy_continuations(tiny, 10, new=30, seed=7)
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, part in (("train", rows[:8]), ("heldout", rows[8:])):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in part))
+    hidden = torch.cat([tiny.full_forward(torch.tensor([r.ids])).hidden[0].double() for r in rows])
+    fit, test = hidden[:240], hidden[240:]
+    assert ridge_top1(fit, fit, test, test, tiny.lm_head, alpha=1e-9) == 1.0
+    noise = torch.randn_like(hidden, dtype=torch.float64)
+    assert ridge_top1(noise[:240], fit, noise[240:], test, tiny.lm_head) < 0.5
+
+    tiny_moa.save_pretrained(tmp_path / "moa")
+    scores = probe_main(["--target", "tiny", "--drafter", str(tmp_path / "moa"), "--data", str(data),
+                         "--train-rows", "8", "--heldout-rows", "2", "--out", str(tmp_path / "probe.json")])
+    assert scores["heldout_positions"] == 60
+    stages = [k for k in scores if "positions" not in k]
+    assert len(stages) == 5 and all(0.0 <= scores[k] <= 1.0 for k in stages)
+    assert json.loads((tmp_path / "probe.json").read_text()) == scores
