@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from edge_client.bundle import BUNDLE_FILE, GRAPH_FILE, TOKENIZER_FILE, BundleError, load_bundle
 from edge_client.chat import ChatTemplate, ChatTokenizer
@@ -108,6 +109,21 @@ def test_reduced_draft_vocab_bundle(target, tmp_path):
     with pytest.raises(BundleError, match="sha256"):
         load_bundle(tmp_path / "bundle")
 
+
+
+def test_memory_path_options_bundle(target, tmp_path):
+    """A MoA drafter with the LSA skip and a widened CA exports; its wider memory rows are in the bundle's layout
+    and ORT drafts the same trees as PyTorch."""
+    torch.manual_seed(5)
+    drafter = build_drafter("moa", target)
+    drafter.use_lsa_skip(2)
+    drafter.widen_memory(drafter.config.ca_heads)
+    torch.nn.init.normal_(drafter.lsa_skip.weight, std=0.05)
+    drafter.save_pretrained(tmp_path / "drafter")
+    meta = export_bundle(tmp_path / "drafter", tmp_path / "bundle", "fp32", target, parity_prompts=PROMPTS,
+                         heldout_prompts=(), log=lambda s: None)
+    assert meta["memory"]["row_width"] == drafter.row_width == 2 * drafter.config.ca_heads * drafter.config.head_dim
+    assert_same_trees(target, load_drafter(tmp_path / "drafter", target).float(), tmp_path / "bundle", PROMPTS[1])
 
 # ---- the bundle ------------------------------------------------------------------------------------------------
 def test_bundle_round_trip_and_fingerprint(exported, target):
