@@ -219,9 +219,12 @@ def memory_layout(drafter: Drafter) -> dict:
     if drafter.arch == "moa":
         c = drafter.config
         width = c.ca_kv_heads * c.head_dim
-        return {"row_width": drafter.row_width, "heads": c.ca_kv_heads, "head_dim": c.head_dim, "fields": [
-            {"name": "key", "offset": 0, "width": width, "note": "CA key, RoPE at the token's position"},
-            {"name": "value", "offset": width, "width": width, "note": "CA value"}]}
+        fields = [{"name": "key", "offset": 0, "width": width, "note": "CA key, RoPE at the token's position"},
+                  {"name": "value", "offset": width, "width": width, "note": "CA value"}]
+        if c.fused_memory:
+            fields.append({"name": "summary", "offset": 2 * width, "width": c.hidden_size,
+                           "note": "LSA output m_t; the newest one enters the query stream before CA"})
+        return {"row_width": drafter.row_width, "heads": c.ca_kv_heads, "head_dim": c.head_dim, "fields": fields}
     return {"row_width": drafter.row_width, "fields": [
         {"name": "hidden", "offset": 0, "width": drafter.row_width, "note": "target's last hidden state (normed)"}]}
 

@@ -144,6 +144,11 @@ class Drafter(nn.Module):
         """(h_kv, head_dim) of the self-attention cache."""
         raise NotImplementedError
 
+    def added_parameters(self) -> list[nn.Parameter]:
+        """Parameters added to the paper's architecture that start where they keep a trained drafter's function
+        (at zero, or at the plain mean): at the drafter's own lr they barely move in a leg (`--pool-lr-scale`)."""
+        return []
+
     def target_layers(self) -> dict[str, int]:
         """Which of the drafter's decoder layers have the target's layer shape, and which target layer (index)
         initialises each under `--layer-init target`."""

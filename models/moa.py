@@ -34,6 +34,7 @@ class MoAConfig:
     rms_norm_eps: float = 1e-5
     lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
     lsa_skip_layers: int = 0  # the last n target layers' raw [key; value] also reach m_t through a Linear (0: the paper)
+    fused_memory: bool = False  # the newest visible m_s also enters the query stream before CA (False: the paper)
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
@@ -93,6 +94,9 @@ class MoADrafter(Drafter):
         self.lsa_skip: nn.Linear | None = None
         if config.lsa_skip_layers:
             self.use_lsa_skip(config.lsa_skip_layers)
+        self.fuse: nn.Linear | None = None
+        if config.fused_memory:
+            self.use_fused_memory()
 
     def use_weighted_pool(self) -> None:
         """Pool the LSA's L outputs with learned per-layer weights, starting at the plain mean (so a drafter
@@ -120,6 +124,21 @@ class MoADrafter(Drafter):
             nn.init.zeros_(self.lsa_skip.weight)
         self.config.lsa_skip_layers = n
 
+    def use_fused_memory(self) -> None:
+        """Add the newest memory summary m_s a position may see (its last sync point's) to the query stream before
+        CA, through a Linear that starts at zero, so a trained drafter keeps its function. Each memory row then also
+        carries m_t (hidden_size more numbers). Why: EAGLE's drafting position holds the target's state in its own
+        stream; the paper's MoA reaches it only through CA's attention over narrow key/value rows."""
+        if self.fuse is None:
+            w = self.lsa_proj.weight
+            self.fuse = nn.Linear(w.shape[0], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            nn.init.zeros_(self.fuse.weight)
+        self.config.fused_memory = True
+
+    def added_parameters(self) -> list[nn.Parameter]:
+        added = [self.lsa_weights] + [m.weight for m in (self.lsa_skip, self.fuse) if m is not None]
+        return [p for p in added if p is not None]
+
     def widen_memory(self, kv_heads: int) -> None:
         """Give CA `kv_heads` key/value heads, so that each memory row carries 2 * kv_heads * d numbers instead of
         2 * ca_kv_heads * d. Query head j read key/value head j // g (g query heads a group); the new heads start as
@@ -143,7 +162,7 @@ class MoADrafter(Drafter):
 
     @property
     def row_width(self) -> int:
-        return self.ca.row_width
+        return self.ca.row_width + (self.config.hidden_size if self.fuse is not None else 0)
 
     def target_layers(self) -> dict[str, int]:
         return {"sa": 0, "ca": -1}
@@ -164,14 +183,27 @@ class MoADrafter(Drafter):
             m = m + self.lsa_skip(kv[:, L - self.config.lsa_skip_layers:].flatten(1))
         return m.view(b, n, -1)
 
+    def summary(self, step: TargetStep) -> torch.Tensor:
+        """m_t (B, n, H) of the verified tokens whose activations `step` holds."""
+        dtype = self.lsa_proj.weight.dtype
+        return self.layer_summary(step.keys.to(dtype), step.values.to(dtype))
+
+    def rows(self, m: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """m_t -> memory rows: CA's [key; value], then m_t itself when the drafter fuses it."""
+        rows = self.ca.memory(m, positions)
+        return rows if self.fuse is None else torch.cat([rows, m], dim=-1)
+
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
-        keys, values = step.keys.to(self.lsa_proj.weight.dtype), step.values.to(self.lsa_proj.weight.dtype)
-        return self.ca.memory(self.layer_summary(keys, values), positions)
+        return self.rows(self.summary(step), positions)
 
     def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
                    with_logits=True):
         x = self.embed(ids)
         x, k, v = self.sa(x, positions, mask, past_k, past_v)
+        if self.fuse is not None:
+            width = self.ca.row_width
+            x = x + self.fuse(newest_visible(memory[..., width:], memory_mask))
+            memory = memory[..., :width]
         x = self.ca(x, positions, memory, memory_mask)
         return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
@@ -182,3 +214,14 @@ class MoADrafter(Drafter):
                               with_logits=False)
         out.memory = memory
         return out
+
+
+def newest_visible(entries: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """entries (B, M, w), CA's additive mask (B|1, 1, n, M) or None (all visible) -> per query the newest entry it
+    sees: (B, n, w), or (B, 1, w) without a mask."""
+    if mask is None:
+        return entries[:, -1:]
+    index = torch.arange(entries.shape[1], device=entries.device)
+    newest = torch.where(mask[:, 0] == 0, index, 0).amax(-1)  # (B|1, n)
+    newest = newest.expand(entries.shape[0], -1).unsqueeze(-1).expand(-1, -1, entries.shape[-1])
+    return entries.gather(1, newest)

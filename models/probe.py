@@ -38,9 +38,9 @@ def features(target: Target, drafters: dict[str, Drafter], rows: list[Encoded], 
                  "mean of all layers [k;v]": kv.mean(0)}
         positions = torch.arange(ids.shape[1], device=ids.device).view(1, -1)
         for name, d in drafters.items():
-            m = d.layer_summary(step.keys.to(d.lsa_proj.weight.dtype), step.values.to(d.lsa_proj.weight.dtype))
+            m = d.summary(step)
             found[f"{name}: m_t"] = m[0]
-            found[f"{name}: memory row"] = d.ca.memory(m, positions)[0]
+            found[f"{name}: memory row"] = d.ca.memory(m, positions)[0]  # CA's key and value
         for key, value in found.items():
             out.setdefault(key, []).append(value[resp].double())
         hidden.append(step.hidden[0][resp].double())

@@ -61,9 +61,10 @@ class TrainConfig:
     depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
     lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
-    pool_lr_scale: float = 1.0  # MoA: the weighted pool's weights and the skip learn at this multiple of the lr
+    pool_lr_scale: float = 1.0  # MoA: the parameters it adds to the paper learn at this multiple of the lr
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     ca_kv_heads: int = 0  # MoA: widen CA (and so the memory rows) to this many key/value heads (0 keeps them)
+    fused_memory: bool = False  # MoA: add the newest visible m_s to the query stream before CA (from zero)
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -113,15 +114,18 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "sync_weight": "MoA only: add this weight x the loss of every response position with CA seeing memory up to "
                        "its own position (depth 0). The target's next-token view at a token is then in reach of "
                        "its memory row, which teaches the LSA and memory rows to carry it (0 = off)",
-        "pool_lr_scale": "MoA: the LSA's added pooling parameters (the weighted pool's L weights, the skip's Linear) "
-                         "learn at this multiple of --lr. They start at 1/L and at zero, so at the drafter's own rate "
-                         "they barely move in a leg",
+        "pool_lr_scale": "MoA: the parameters added to the paper (the weighted pool's L weights, the skip's and the "
+                         "fused memory's Linear) learn at this multiple of --lr. They start at 1/L and at zero, so at "
+                         "the drafter's own rate they barely move in a leg",
         "lsa_skip_layers": "MoA only: feed the last N target layers' raw [key; value] to the memory summary m_t through "
                            "a Linear beside the LSA's pool, starting at zero so a --init drafter keeps its function "
                            "(0 keeps the drafter's own; the paper has none)",
         "ca_kv_heads": "MoA only: widen a --init drafter's CA to N key/value heads (a multiple of its own that divides "
                        "its query heads); the new heads start as copies, so it keeps its function, and every memory "
                        "row (what the server sends per token) grows to 2*N*head_dim numbers (0 keeps them)",
+        "fused_memory": "MoA only: add the newest memory summary m_s a position may see to its query stream before CA, "
+                        "through a Linear starting at zero (EAGLE-like: the drafting position holds the target's "
+                        "state); every memory row then also carries m_t (hidden_size more numbers; not in the paper)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -138,8 +142,12 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
                           "the benchmark prompts); --n-heldout random ones otherwise",
     }
     for f in fields(TrainConfig):
+        flag, text = "--" + f.name.replace("_", "-"), helps.get(f.name)
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", help=text)
+            continue
         kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=helps.get(f.name))
+        p.add_argument(flag, type=kind, default=f.default, help=text)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     args = vars(p.parse_args(argv))
     resume = args.pop("resume")
@@ -230,22 +238,25 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers or cfg.ca_kv_heads) and drafter.arch != "moa":
-        raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers and --ca-kv-heads are for MoA drafters (EAGLE "
-                         "has no LSA or memory rows)")
+    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers or cfg.ca_kv_heads or cfg.fused_memory) \
+            and drafter.arch != "moa":
+        raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers, --ca-kv-heads and --fused-memory are for MoA "
+                         "drafters (EAGLE has no LSA or memory rows)")
     if cfg.lsa_skip_layers:
         drafter.use_lsa_skip(cfg.lsa_skip_layers)
     if cfg.ca_kv_heads:
         drafter.widen_memory(cfg.ca_kv_heads)
+    if cfg.fused_memory:
+        drafter.use_fused_memory()
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":
         drafter.use_weighted_pool()
     elif cfg.lsa_pool == "mean" and drafter.config.lsa_pool != "mean":
         raise ValueError(f"--lsa-pool mean cannot undo the weighted pool of {cfg.init}")
-    if cfg.pool_lr_scale != 1.0 and not pooling_parameters(drafter):
-        raise ValueError("--pool-lr-scale needs learned pooling parameters: --lsa-pool weighted or --lsa-skip-layers, "
-                         "or an --init MoA drafter that has them")
+    if cfg.pool_lr_scale != 1.0 and not drafter.added_parameters():
+        raise ValueError("--pool-lr-scale needs parameters added to the paper: --lsa-pool weighted, --lsa-skip-layers "
+                         "or --fused-memory, or an --init MoA drafter that has them")
     size = 0 if drafter.draft_vocab is None else len(drafter.draft_vocab)
     if cfg.draft_vocab != size and (cfg.draft_vocab or not cfg.init):
         counts = token_frequencies(train_set)
@@ -254,20 +265,12 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
 
 
 def param_groups(drafter: Drafter, params: list[nn.Parameter], cfg: TrainConfig) -> list[dict]:
-    """AdamW groups, each with an `lr_scale` on the schedule: the MoA pooling parameters (when learned) apart."""
-    pooling = {id(p) for p in pooling_parameters(drafter)}
-    groups = [{"params": [p for p in params if id(p) not in pooling], "lr_scale": 1.0}]
-    if pooling:
-        groups.append({"params": [p for p in params if id(p) in pooling], "lr_scale": cfg.pool_lr_scale})
+    """AdamW groups, each with an `lr_scale` on the schedule: the parameters added to the paper apart."""
+    added = {id(p) for p in drafter.added_parameters()}
+    groups = [{"params": [p for p in params if id(p) not in added], "lr_scale": 1.0}]
+    if added:
+        groups.append({"params": [p for p in params if id(p) in added], "lr_scale": cfg.pool_lr_scale})
     return groups
-
-
-def pooling_parameters(drafter: Drafter) -> list[nn.Parameter]:
-    """What MoA adds to the paper's LSA pool, each starting where it keeps the drafter's function: the weighted
-    pool's per-layer weights and the skip's Linear. At the drafter's own lr they barely move in a leg."""
-    skip = getattr(drafter, "lsa_skip", None)
-    return [p for p in (getattr(drafter, "lsa_weights", None), skip.weight if skip is not None else None)
-            if p is not None]
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:

@@ -223,6 +223,41 @@ def test_lsa_skip_starts_at_zero_and_reads_the_last_layers(tmp_path, tiny):
         build_drafter("moa", tiny, lsa_skip_layers=tiny.spec.n_layers + 1)
 
 
+def test_fused_memory_starts_at_zero_and_reads_the_newest_visible_summary(tmp_path, tiny):
+    """--fused-memory keeps a trained drafter's features when added (the Linear starts at zero); rows carry m_t
+    after CA's key and value; once trained, a position's features move with the summary of its last sync point
+    and with no later one; drafting with all rows visible reads the newest; it survives save / load."""
+    torch.manual_seed(6)
+    d = build_drafter("moa", tiny).eval()
+    ids, step, last, _ = sequence(tiny)
+    sa, mem = masks(last)
+    before = d.train_forward(ids, step, positions(), sa, mem).features
+    d.use_fused_memory()
+    out = d.train_forward(ids, step, positions(), sa, mem)
+    torch.testing.assert_close(out.features, before)
+    assert d.row_width == d.ca.row_width + d.config.hidden_size
+    torch.testing.assert_close(out.memory[..., d.ca.row_width:], d.summary(step))
+    with torch.no_grad():
+        d.fuse.weight.normal_(0, 0.3)
+    memory = d.memory_rows(step, positions()).detach().requires_grad_(True)
+    out = d.train_forward(ids, step, positions(), sa, mem, memory)
+    assert not torch.allclose(out.features, before)
+    i = int(last[0, -1]) + 1  # a position past its last sync point s
+    (grad,) = torch.autograd.grad(out.features[0, i].sum(), memory)
+    summary = grad[0, :, d.ca.row_width:].abs().sum(-1)
+    assert summary[last[0, i]] > 0 and summary[: last[0, i]].sum() == 0 and summary[last[0, i] + 1:].sum() == 0
+    # drafting: every row visible, the newest one is fused
+    n = int(last[0, -1]) + 1
+    full = d.draft_step(ids[:, n - 1:n], positions()[:, n - 1:n], None, None, None, memory=memory[:, :n].detach())
+    cut = d.draft_step(ids[:, n - 1:n], positions()[:, n - 1:n], None, None, None,
+                       memory=memory[:, :n].detach(), memory_mask=torch.zeros(1, 1, 1, n, dtype=torch.float64))
+    torch.testing.assert_close(full.features, cut.features)
+    d.save_pretrained(tmp_path / "f", dtype=torch.float64)
+    again = load_drafter(tmp_path / "f", tiny)
+    assert again.config.fused_memory and again.added_parameters()[-1] is again.fuse.weight
+    torch.testing.assert_close(again.memory_rows(step, positions()), memory.detach())
+
+
 def test_widened_memory_keeps_the_drafter_and_carries_more(tmp_path, tiny):
     """CA widened to more key/value heads (the new ones copies of the heads their query heads read) drafts exactly
     as before from wider memory rows, and survives save / load."""

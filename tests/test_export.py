@@ -112,17 +112,21 @@ def test_reduced_draft_vocab_bundle(target, tmp_path):
 
 
 def test_memory_path_options_bundle(target, tmp_path):
-    """A MoA drafter with the LSA skip and a widened CA exports; its wider memory rows are in the bundle's layout
-    and ORT drafts the same trees as PyTorch."""
+    """A MoA drafter with the LSA skip, a widened CA and the fused memory summary exports; its wider memory rows are
+    in the bundle's layout and ORT drafts the same trees as PyTorch."""
     torch.manual_seed(5)
     drafter = build_drafter("moa", target)
     drafter.use_lsa_skip(2)
     drafter.widen_memory(drafter.config.ca_heads)
+    drafter.use_fused_memory()
     torch.nn.init.normal_(drafter.lsa_skip.weight, std=0.05)
+    torch.nn.init.normal_(drafter.fuse.weight, std=0.02)
     drafter.save_pretrained(tmp_path / "drafter")
     meta = export_bundle(tmp_path / "drafter", tmp_path / "bundle", "fp32", target, parity_prompts=PROMPTS,
                          heldout_prompts=(), log=lambda s: None)
-    assert meta["memory"]["row_width"] == drafter.row_width == 2 * drafter.config.ca_heads * drafter.config.head_dim
+    c = drafter.config
+    assert meta["memory"]["row_width"] == drafter.row_width == 2 * c.ca_heads * c.head_dim + c.hidden_size
+    assert meta["memory"]["fields"][-1]["name"] == "summary"
     assert_same_trees(target, load_drafter(tmp_path / "drafter", target).float(), tmp_path / "bundle", PROMPTS[1])
 
 # ---- the bundle ------------------------------------------------------------------------------------------------
