@@ -222,8 +222,9 @@ def memory_layout(drafter: Drafter) -> dict:
         fields = [{"name": "key", "offset": 0, "width": width, "note": "CA key, RoPE at the token's position"},
                   {"name": "value", "offset": width, "width": width, "note": "CA value"}]
         if c.fused_memory:
-            fields.append({"name": "summary", "offset": 2 * width, "width": c.hidden_size,
-                           "note": "LSA output m_t; the newest one enters the query stream before CA"})
+            what = "LSA output m_t" if c.fused_memory == "summary" else "target's last hidden state (normed)"
+            fields.append({"name": c.fused_memory, "offset": 2 * width, "width": c.hidden_size,
+                           "note": f"{what}; the newest one enters the query stream before CA"})
         return {"row_width": drafter.row_width, "heads": c.ca_kv_heads, "head_dim": c.head_dim, "fields": fields}
     return {"row_width": drafter.row_width, "fields": [
         {"name": "hidden", "offset": 0, "width": drafter.row_width, "note": "target's last hidden state (normed)"}]}

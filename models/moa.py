@@ -34,7 +34,8 @@ class MoAConfig:
     rms_norm_eps: float = 1e-5
     lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
     lsa_skip_layers: int = 0  # the last n target layers' raw [key; value] also reach m_t through a Linear (0: the paper)
-    fused_memory: bool = False  # the newest visible m_s also enters the query stream before CA (False: the paper)
+    fused_memory: str = ""  # summary | hidden: the newest visible m_s, or the target's last hidden state h_s, also
+    # enters the query stream before CA ("": the paper)
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
@@ -96,7 +97,7 @@ class MoADrafter(Drafter):
             self.use_lsa_skip(config.lsa_skip_layers)
         self.fuse: nn.Linear | None = None
         if config.fused_memory:
-            self.use_fused_memory()
+            self.use_fused_memory(config.fused_memory)
 
     def use_weighted_pool(self) -> None:
         """Pool the LSA's L outputs with learned per-layer weights, starting at the plain mean (so a drafter
@@ -124,16 +125,21 @@ class MoADrafter(Drafter):
             nn.init.zeros_(self.lsa_skip.weight)
         self.config.lsa_skip_layers = n
 
-    def use_fused_memory(self) -> None:
-        """Add the newest memory summary m_s a position may see (its last sync point's) to the query stream before
-        CA, through a Linear that starts at zero, so a trained drafter keeps its function. Each memory row then also
-        carries m_t (hidden_size more numbers). Why: EAGLE's drafting position holds the target's state in its own
-        stream; the paper's MoA reaches it only through CA's attention over narrow key/value rows."""
+    def use_fused_memory(self, source: str) -> None:
+        """Add, for each position, the newest `source` it may see (its last sync point's: the memory summary m_s,
+        or the target's last hidden state h_s) to the query stream before CA, through a Linear that starts at zero,
+        so a trained drafter keeps its function. Each memory row then also carries it (hidden_size more numbers).
+        Why: EAGLE's drafting position holds the target's state in its own stream; the paper's MoA reaches the
+        target only through CA's attention over narrow key/value rows."""
+        if source not in ("summary", "hidden"):
+            raise ValueError(f"fused_memory is summary or hidden, got {source!r}")
+        if self.fuse is not None and self.config.fused_memory != source:
+            raise ValueError(f"this drafter fuses the {self.config.fused_memory}, not the {source}")
         if self.fuse is None:
             w = self.lsa_proj.weight
             self.fuse = nn.Linear(w.shape[0], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
             nn.init.zeros_(self.fuse.weight)
-        self.config.fused_memory = True
+        self.config.fused_memory = source
 
     def added_parameters(self) -> list[nn.Parameter]:
         added = [self.lsa_weights] + [m.weight for m in (self.lsa_skip, self.fuse) if m is not None]
@@ -188,13 +194,13 @@ class MoADrafter(Drafter):
         dtype = self.lsa_proj.weight.dtype
         return self.layer_summary(step.keys.to(dtype), step.values.to(dtype))
 
-    def rows(self, m: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """m_t -> memory rows: CA's [key; value], then m_t itself when the drafter fuses it."""
-        rows = self.ca.memory(m, positions)
-        return rows if self.fuse is None else torch.cat([rows, m], dim=-1)
-
     def memory_rows(self, step: TargetStep, positions: torch.Tensor) -> torch.Tensor:
-        return self.rows(self.summary(step), positions)
+        """CA's [key; value] of m_t, then what the drafter fuses (m_t or the target's h_t) when it fuses one."""
+        m = self.summary(step)
+        rows = self.ca.memory(m, positions)
+        if self.fuse is None:
+            return rows
+        return torch.cat([rows, m if self.config.fused_memory == "summary" else step.hidden.to(m.dtype)], dim=-1)
 
     def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
                    with_logits=True):

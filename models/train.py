@@ -64,7 +64,7 @@ class TrainConfig:
     pool_lr_scale: float = 1.0  # MoA: the parameters it adds to the paper learn at this multiple of the lr
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     ca_kv_heads: int = 0  # MoA: widen CA (and so the memory rows) to this many key/value heads (0 keeps them)
-    fused_memory: bool = False  # MoA: add the newest visible m_s to the query stream before CA (from zero)
+    fused_memory: str = ""  # MoA: summary | hidden: add the newest visible m_s or h_s to the query stream before CA
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -123,9 +123,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "ca_kv_heads": "MoA only: widen a --init drafter's CA to N key/value heads (a multiple of its own that divides "
                        "its query heads); the new heads start as copies, so it keeps its function, and every memory "
                        "row (what the server sends per token) grows to 2*N*head_dim numbers (0 keeps them)",
-        "fused_memory": "MoA only: add the newest memory summary m_s a position may see to its query stream before CA, "
-                        "through a Linear starting at zero (EAGLE-like: the drafting position holds the target's "
-                        "state); every memory row then also carries m_t (hidden_size more numbers; not in the paper)",
+        "fused_memory": "MoA only: summary | hidden: add the newest memory summary m_s, or the target's last hidden "
+                        "state h_s, a position may see (its last sync point's) to its query stream before CA, through "
+                        "a Linear starting at zero (EAGLE-like: the drafting position holds the target's state); "
+                        "every memory row then also carries it (hidden_size more numbers; not in the paper)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -142,12 +143,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
                           "the benchmark prompts); --n-heldout random ones otherwise",
     }
     for f in fields(TrainConfig):
-        flag, text = "--" + f.name.replace("_", "-"), helps.get(f.name)
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true", help=text)
-            continue
         kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
-        p.add_argument(flag, type=kind, default=f.default, help=text)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=helps.get(f.name))
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     args = vars(p.parse_args(argv))
     resume = args.pop("resume")
@@ -247,7 +244,7 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
     if cfg.ca_kv_heads:
         drafter.widen_memory(cfg.ca_kv_heads)
     if cfg.fused_memory:
-        drafter.use_fused_memory()
+        drafter.use_fused_memory(cfg.fused_memory)
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":

@@ -223,20 +223,23 @@ def test_lsa_skip_starts_at_zero_and_reads_the_last_layers(tmp_path, tiny):
         build_drafter("moa", tiny, lsa_skip_layers=tiny.spec.n_layers + 1)
 
 
-def test_fused_memory_starts_at_zero_and_reads_the_newest_visible_summary(tmp_path, tiny):
-    """--fused-memory keeps a trained drafter's features when added (the Linear starts at zero); rows carry m_t
-    after CA's key and value; once trained, a position's features move with the summary of its last sync point
-    and with no later one; drafting with all rows visible reads the newest; it survives save / load."""
+@pytest.mark.parametrize("source", ["summary", "hidden"])
+def test_fused_memory_starts_at_zero_and_reads_the_newest_visible_row(tmp_path, tiny, source):
+    """--fused-memory keeps a trained drafter's features when added (the Linear starts at zero); rows carry m_t or
+    the target's h_t after CA's key and value; once trained, a position's features move with the fused part of its
+    last sync point's row and with no other; drafting with all rows visible reads the newest; it survives save /
+    load, and a second source is refused."""
     torch.manual_seed(6)
     d = build_drafter("moa", tiny).eval()
     ids, step, last, _ = sequence(tiny)
     sa, mem = masks(last)
     before = d.train_forward(ids, step, positions(), sa, mem).features
-    d.use_fused_memory()
+    d.use_fused_memory(source)
     out = d.train_forward(ids, step, positions(), sa, mem)
     torch.testing.assert_close(out.features, before)
     assert d.row_width == d.ca.row_width + d.config.hidden_size
-    torch.testing.assert_close(out.memory[..., d.ca.row_width:], d.summary(step))
+    fused = d.summary(step) if source == "summary" else step.hidden
+    torch.testing.assert_close(out.memory[..., d.ca.row_width:], fused)
     with torch.no_grad():
         d.fuse.weight.normal_(0, 0.3)
     memory = d.memory_rows(step, positions()).detach().requires_grad_(True)
@@ -254,8 +257,12 @@ def test_fused_memory_starts_at_zero_and_reads_the_newest_visible_summary(tmp_pa
     torch.testing.assert_close(full.features, cut.features)
     d.save_pretrained(tmp_path / "f", dtype=torch.float64)
     again = load_drafter(tmp_path / "f", tiny)
-    assert again.config.fused_memory and again.added_parameters()[-1] is again.fuse.weight
+    assert again.config.fused_memory == source and again.added_parameters()[-1] is again.fuse.weight
     torch.testing.assert_close(again.memory_rows(step, positions()), memory.detach())
+    with pytest.raises(ValueError, match="fuses the"):
+        again.use_fused_memory("summary" if source == "hidden" else "hidden")
+    with pytest.raises(ValueError, match="fused_memory"):
+        build_drafter("moa", tiny, fused_memory="keys")
 
 
 def test_widened_memory_keeps_the_drafter_and_carries_more(tmp_path, tiny):

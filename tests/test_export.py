@@ -118,7 +118,7 @@ def test_memory_path_options_bundle(target, tmp_path):
     drafter = build_drafter("moa", target)
     drafter.use_lsa_skip(2)
     drafter.widen_memory(drafter.config.ca_heads)
-    drafter.use_fused_memory()
+    drafter.use_fused_memory("hidden")
     torch.nn.init.normal_(drafter.lsa_skip.weight, std=0.05)
     torch.nn.init.normal_(drafter.fuse.weight, std=0.02)
     drafter.save_pretrained(tmp_path / "drafter")
@@ -126,7 +126,7 @@ def test_memory_path_options_bundle(target, tmp_path):
                          heldout_prompts=(), log=lambda s: None)
     c = drafter.config
     assert meta["memory"]["row_width"] == drafter.row_width == 2 * c.ca_heads * c.head_dim + c.hidden_size
-    assert meta["memory"]["fields"][-1]["name"] == "summary"
+    assert meta["memory"]["fields"][-1]["name"] == "hidden"
     assert_same_trees(target, load_drafter(tmp_path / "drafter", target).float(), tmp_path / "bundle", PROMPTS[1])
 
 # ---- the bundle ------------------------------------------------------------------------------------------------

@@ -166,12 +166,13 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     # take one AdamW step of ~ pool_lr_scale x the lr (Adam's first step moves each parameter by about the lr;
     # lr 5e-4 / 50 warm-up steps at step 0)
     train_main(["--arch", "moa", "--out", str(tmp_path / "d"), "--steps", "1", "--init", str(tmp_path / "c/drafter"),
-                "--lsa-pool", "weighted", "--pool-lr-scale", "100", "--lsa-skip-layers", "1", "--fused-memory", *common])
+                "--lsa-pool", "weighted", "--pool-lr-scale", "100", "--lsa-skip-layers", "1",
+                "--fused-memory", "hidden", *common])
     d = load_drafter(tmp_path / "d/drafter", tiny)
     moved = (d.lsa_weights - 1 / tiny.spec.n_layers).abs().max().item()
     assert 5e-4 < moved < 2e-3
     assert d.config.lsa_skip_layers == 1 and 5e-4 < d.lsa_skip.weight.abs().max().item() < 2e-3
-    assert d.config.fused_memory and 5e-4 < d.fuse.weight.abs().max().item() < 2e-3
+    assert d.config.fused_memory == "hidden" and 5e-4 < d.fuse.weight.abs().max().item() < 2e-3
 
 
 def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
@@ -204,7 +205,7 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
     with pytest.raises(ValueError, match="lsa-skip-layers"):
         make_drafter(replace(base, arch="eagle", lsa_skip_layers=1), tiny, samples)
     with pytest.raises(ValueError, match="fused-memory"):
-        make_drafter(replace(base, arch="eagle", fused_memory=True), tiny, samples)
+        make_drafter(replace(base, arch="eagle", fused_memory="summary"), tiny, samples)
     with pytest.raises(ValueError, match="pool-lr-scale"):  # the plain mean has no weights to scale
         make_drafter(replace(base, pool_lr_scale=50.0), tiny, samples)
 
