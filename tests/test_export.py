@@ -112,8 +112,8 @@ def test_reduced_draft_vocab_bundle(target, tmp_path):
 
 
 def test_memory_path_options_bundle(target, tmp_path):
-    """A MoA drafter with the LSA skip, a widened CA and the fused memory summary exports; its wider memory rows are
-    in the bundle's layout and ORT drafts the same trees as PyTorch."""
+    """A MoA drafter with the LSA skip, a widened CA and the target's fused hidden state exports; its wider memory
+    rows are in the bundle's layout and ORT drafts the same trees as PyTorch."""
     torch.manual_seed(5)
     drafter = build_drafter("moa", target)
     drafter.use_lsa_skip(2)
