@@ -5,16 +5,29 @@ memory frozen at s, exactly as it drafts a chain at run time (EAGLE feeds its ow
 depth d we compare its top-1 token with the target's greedy token at s+d. The expected chain acceptance length
 (bonus token included) is 1 + sum_d prod_{j<=d} a_j; `tau_measured` is 1 + the mean run of leading matches.
 Top-w agreement (the target's token among the drafter's w best) feeds the tree cost model.
+
+`rows` sends the drafter's view of the target (MoA's memory rows, EAGLE's hidden states) through the wire codec
+first, as the edge receives it in client-server mode:
+
+    python -m models.evaluate --drafter models/default/moa models/default/eagle --rows fp32,int8 --out runs/eval.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import torch
 
+from moa_core import protocol
 from moa_core.budget import expected_tau
-from models.data import Encoded
+from models.data import DataStats, Encoded, encode_samples, iter_source
 from models.drafter import Drafter
+from models.registry import load_drafter, load_target
 from models.target import Target
+
+ROWS = ("fp32",) + protocol.ROW_DTYPES
 
 
 @torch.no_grad()
@@ -25,7 +38,10 @@ def chain_agreement(
     depth: int = 6,
     sync_every: int = 7,
     max_len: int = 512,
+    rows: str = "fp32",
 ) -> dict:
+    if rows not in ROWS:
+        raise ValueError(f"rows must be one of {ROWS}, got {rows!r}")
     was_training = drafter.training
     drafter.eval()
     widths = (1, 2, 4, 8)
@@ -39,13 +55,14 @@ def chain_agreement(
         full = target.full_forward(ids)
         greedy = target.lm_head(full.hidden[0]).argmax(-1)
         positions = torch.arange(t).view(1, t)
-        memory = drafter.memory_rows(full, positions)
+        memory = wire(drafter.memory_rows(full, positions), rows)
+        hidden = wire(full.hidden, rows)
         mask = torch.full((t, t), float("-inf"), dtype=full.hidden.dtype).triu(1).view(1, 1, t, t)
-        whole = drafter.draft_step(ids, positions, None, None, mask, memory=memory, features=_shift(full.hidden))
+        whole = drafter.draft_step(ids, positions, None, None, mask, memory=memory, features=_shift(hidden))
         starts = [s for s in range(t - depth - 1) if resp[s + 1] and resp[s + depth] and (s % sync_every == 0)]
         for s in starts:
             k, v = whole.keys[:, :, : s + 1], whole.values[:, :, : s + 1]
-            feat = full.hidden[:, s : s + 1]
+            feat = hidden[:, s : s + 1]
             run, leading = 0, True
             for d in range(1, depth + 1):
                 i = s + d
@@ -67,6 +84,60 @@ def chain_agreement(
             "depth_agreement_topk": {str(w): r for w, r in zip(widths, rates)}}
 
 
+def wire(x: torch.Tensor, rows: str) -> torch.Tensor:
+    """x (..., width) as the edge gets it: through protocol.encode_rows / decode_rows (fp32: unchanged)."""
+    if rows == "fp32":
+        return x
+    flat = x.detach().reshape(-1, x.shape[-1]).float().cpu().numpy()
+    back = protocol.decode_rows(protocol.encode_rows(flat, rows))
+    return torch.from_numpy(back).to(x.device, x.dtype).view_as(x)
+
+
 def _shift(hidden: torch.Tensor) -> torch.Tensor:
     """EAGLE's input features: position t gets the target feature of t-1."""
     return torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="default", help="target alias, HF id or local path")
+    p.add_argument("--drafter", nargs="+", default=["moa", "eagle"],
+                   help="drafters to evaluate: paths or default|moa|eagle (default: the shipped two)")
+    p.add_argument("--heldout", default="datasets/smollm2-heldout.jsonl.gz",
+                   help="held-out conversations (jsonl, .gz or not; a models.train data dir's heldout.jsonl works), "
+                        "in file order (default: the target's answers to the benchmark prompts, as in training)")
+    p.add_argument("--samples", type=int, default=52, help="conversations evaluated (the first N that encode)")
+    p.add_argument("--depth", type=int, default=6, help="chain depth after each sync point")
+    p.add_argument("--sync-every", type=int, default=7, help="a sync point every N response positions")
+    p.add_argument("--max-len", type=int, default=512, help="truncate conversations to this many tokens")
+    p.add_argument("--rows", default="fp32", help=f"comma-separated codecs of the drafter's view, from {ROWS}")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", default="", help="write the results here as JSON")
+    args = p.parse_args(argv)
+    codecs = args.rows.split(",")
+    if bad := [c for c in codecs if c not in ROWS]:
+        p.error(f"--rows: unknown {bad}, choose from {ROWS}")
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    stats = DataStats()
+    rows = encode_samples(iter_source(args.heldout), target.tokenizer, args.max_len, stats, args.samples)
+    if not rows:
+        p.error(f"--heldout {args.heldout}: no usable conversation ({stats.summary()})")
+    samples = [Encoded(r["id"], r["ids"], r["response_mask"]) for r in rows]
+    results: dict = {"heldout": args.heldout, "samples": len(samples), "data": stats.summary(), "drafters": {}}
+    for path in args.drafter:
+        drafter = load_drafter(path, target)
+        for codec in codecs:
+            ev = chain_agreement(drafter, target, samples, args.depth, args.sync_every, args.max_len, codec)
+            results["drafters"].setdefault(path, {})[codec] = ev
+            depths = " ".join(f"{a:.3f}" for a in ev["depth_agreement"])
+            print(f"{path:<28s} {codec:<5s} expected tau {ev['expected_tau']:.4f}  measured {ev['tau_measured']:.3f}"
+                  f"  depth 1..{args.depth}: {depths}", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

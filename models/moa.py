@@ -34,8 +34,7 @@ class MoAConfig:
     rms_norm_eps: float = 1e-5
     lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
     lsa_skip_layers: int = 0  # the last n target layers' raw [key; value] also reach m_t through a Linear (0: the paper)
-    fused_memory: str = ""  # summary | hidden: the newest visible m_s, or the target's last hidden state h_s, also
-    # enters the query stream before CA ("": the paper)
+    fused_memory: str = ""  # summary (m_s) | hidden (target's h_s): newest visible entry joins CA's queries
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":

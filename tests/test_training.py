@@ -235,3 +235,34 @@ def test_probes_score_what_each_stage_of_the_memory_path_carries(tiny, tiny_moa,
     stages = [k for k in scores if "positions" not in k]
     assert len(stages) == 5 and all(0.0 <= scores[k] <= 1.0 for k in stages)
     assert json.loads((tmp_path / "probe.json").read_text()) == scores
+
+
+def test_evaluate_scores_drafters_through_the_wire_codec(tiny, tiny_moa, tmp_path):
+    """models.evaluate: int8 rows are what the edge decodes (quantised within max|x|/254 per row, fp32 untouched);
+    the CLI scores each drafter and codec on held-out conversations and writes them; unknown codecs are refused."""
+    from models.evaluate import chain_agreement, main as evaluate_main, wire
+
+    x = torch.randn(2, 5, 40, dtype=torch.float64) * 10
+    assert wire(x, "fp32") is x
+    q = wire(x, "int8")
+    assert q.shape == x.shape and q.dtype == x.dtype and not torch.equal(q, x)
+    assert ((q - x).abs() <= x.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()
+    with pytest.raises(ValueError, match="rows"):
+        chain_agreement(tiny_moa, tiny, [], rows="bf16")
+
+    answers = ["the robot paints a red sky.", "nine plus one is ten, not eleven.", "cats sleep all day long!"]
+    convs = tmp_path / "heldout.jsonl"
+    convs.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": "tell me something"}, {"from": "gpt", "value": a}]}) + "\n"
+        for i, a in enumerate(answers)))
+    tiny_moa.save_pretrained(tmp_path / "moa")
+    moa = str(tmp_path / "moa")
+    out = evaluate_main(["--target", "tiny", "--drafter", moa, "--heldout", str(convs), "--samples", "2",
+                         "--rows", "fp32,int8", "--out", str(tmp_path / "eval.json")])
+    assert out["samples"] == 2
+    for codec in ("fp32", "int8"):
+        ev = out["drafters"][moa][codec]
+        assert ev["sync_points"] > 0 and all(0.0 <= a <= 1.0 for a in ev["depth_agreement"])
+    assert json.loads((tmp_path / "eval.json").read_text()) == out
+    with pytest.raises(SystemExit):
+        evaluate_main(["--target", "tiny", "--drafter", moa, "--heldout", str(convs), "--rows", "bf16"])
