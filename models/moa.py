@@ -202,21 +202,24 @@ class MoADrafter(Drafter):
         return torch.cat([rows, m if self.config.fused_memory == "summary" else step.hidden.to(m.dtype)], dim=-1)
 
     def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
-                   with_logits=True):
+                   with_logits=True, fused_mask=None):
+        """`fused_mask` (training only) picks the fused entry from other rows than CA sees (default: CA's)."""
         x = self.embed(ids)
         x, k, v = self.sa(x, positions, mask, past_k, past_v)
         if self.fuse is not None:
             width = self.ca.row_width
-            x = x + self.fuse(newest_visible(memory[..., width:], memory_mask))
+            picked = memory_mask if fused_mask is None else fused_mask
+            x = x + self.fuse(newest_visible(memory[..., width:], picked))
             memory = memory[..., :width]
         x = self.ca(x, positions, memory, memory_mask)
         return DraftOutput(self.head(x) if with_logits else None, x, k, v)
 
-    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask, memory=None) -> DraftOutput:
+    def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask, memory=None,
+                      fused_mask=None) -> DraftOutput:
         """Whole sequences in one pass: memory rows of every position, CA limited by `memory_mask` (sync points)."""
         memory = self.memory_rows(step, positions) if memory is None else memory
         out = self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask,
-                              with_logits=False)
+                              with_logits=False, fused_mask=fused_mask)
         out.memory = memory
         return out
 

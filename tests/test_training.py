@@ -210,6 +210,44 @@ def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples)
         make_drafter(replace(base, pool_lr_scale=50.0), tiny, samples)
 
 
+def test_sync_fused_last_fuses_the_last_sync_points_entry(tiny, samples):
+    """At depth 0 CA reads the position's own memory row; the fused entry is that row's too by default (own), and
+    with --sync-fused last it is the last sync point's before the position, as in drafting."""
+    from models.sync import last_sync_points, memory_mask
+    from models.target import causal_mask
+
+    torch.manual_seed(0)
+    drafter = build_drafter("moa", tiny).float()
+    drafter.use_fused_memory("hidden")
+    torch.nn.init.normal_(drafter.fuse.weight, std=0.1)
+    ids, resp, _ = collate(samples[:1])
+    t = ids.shape[1]
+    pos = torch.arange(t).view(1, t)
+    step = tiny.full_forward(ids)
+    memory = drafter.memory_rows(step, pos).detach().requires_grad_(True)
+    last = last_sync_points(resp, 3, 3, torch.Generator().manual_seed(0))
+    i = int(resp[0].nonzero()[4])
+    assert 0 <= last[0, i] < i
+    width = drafter.ca.row_width
+    for fused, source in ((None, i), (memory_mask(last), int(last[0, i]))):
+        out = drafter.train_forward(ids, step, pos, causal_mask(t).view(1, 1, t, t), memory_mask(pos), memory,
+                                    fused_mask=fused)
+        (grad,) = torch.autograd.grad(out.features[0, i].sum(), memory)
+        assert grad[0, :, width:].abs().sum(-1).nonzero().flatten().tolist() == [source]
+        assert grad[0, i, :width].abs().sum() > 0
+    base = TrainConfig(sync_min=2, sync_max=5, precision="fp32", sync_fused="last")
+    with pytest.raises(ValueError, match="sync-fused last needs"):
+        make_drafter(replace(base, sync_weight=0.5), tiny, samples)  # no fused memory
+    with pytest.raises(ValueError, match="own or last"):
+        make_drafter(replace(base, sync_fused="first"), tiny, samples)
+    sync = {}
+    for how in ("own", "last"):
+        cfg = replace(base, sync_weight=0.5, sync_min=3, sync_max=3, sync_fused=how)
+        (_, logs), _ = train_step_loss(drafter, tiny, ids, resp, torch.tensor([t]), cfg, 1, 0.0)
+        sync[how] = logs["sync_loss"]
+    assert sync["own"] != pytest.approx(sync["last"], rel=1e-6)
+
+
 def test_probes_score_what_each_stage_of_the_memory_path_carries(tiny, tiny_moa, tmp_path):
     """models.probe: a probe from the target's own last hidden state agrees with it everywhere, one from noise
     hardly; the CLI scores every stage of a drafter's memory path in [0, 1] and writes them."""
