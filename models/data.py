@@ -185,6 +185,12 @@ def build_dataset(
     return stats
 
 
+def write_json(path: str | Path, obj) -> None:
+    """A CLI's results as indented JSON at `path` (parent folders made)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+
+
 def load_encoded(path: str | Path) -> list[Encoded]:
     return [Encoded(r["id"], r["ids"], r["response_mask"]) for r in map(json.loads, open(path))]
 

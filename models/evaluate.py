@@ -15,14 +15,12 @@ first, as the edge receives it in client-server mode:
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 from moa_core import protocol
 from moa_core.budget import expected_tau
-from models.data import DataStats, Encoded, encode_samples, iter_source
+from models.data import DataStats, Encoded, encode_samples, iter_source, write_json
 from models.drafter import Drafter
 from models.registry import load_drafter, load_target
 from models.target import Target
@@ -134,8 +132,7 @@ def main(argv=None) -> dict:
             print(f"{path:<28s} {codec:<5s} expected tau {ev['expected_tau']:.4f}  measured {ev['tau_measured']:.3f}"
                   f"  depth 1..{args.depth}: {depths}", flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.out, results)
     return results
 
 

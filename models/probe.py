@@ -12,12 +12,11 @@ A stage that scores far below the one before it loses what the drafter would nee
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from models.data import Encoded, load_encoded
+from models.data import Encoded, load_encoded, write_json
 from models.drafter import Drafter
 from models.registry import load_drafter, load_target
 from models.target import Target
@@ -86,8 +85,7 @@ def main(argv=None) -> dict:
         scores[name] = round(ridge_top1(x[name], y, x_test[name], y_test, target.lm_head, args.alpha), 4)
         print(f"{name:<50s} width {x[name].shape[1]:5d}  top-1 {scores[name]:.3f}", flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(scores, indent=1) + "\n")
+        write_json(args.out, scores)
     return scores
 
 
