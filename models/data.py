@@ -191,8 +191,13 @@ def write_json(path: str | Path, obj) -> None:
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
 
 
+def as_encoded(rows: Iterable[dict]) -> list[Encoded]:
+    """Rows as encode_samples makes them (and data directories store them) -> Encoded."""
+    return [Encoded(r["id"], r["ids"], r["response_mask"]) for r in rows]
+
+
 def load_encoded(path: str | Path) -> list[Encoded]:
-    return [Encoded(r["id"], r["ids"], r["response_mask"]) for r in map(json.loads, open(path))]
+    return as_encoded(map(json.loads, open(path)))
 
 
 class TokenCounts(Counter):

@@ -20,7 +20,7 @@ import torch
 
 from moa_core import protocol
 from moa_core.budget import expected_tau
-from models.data import DataStats, Encoded, encode_samples, iter_source, write_json
+from models.data import DataStats, Encoded, as_encoded, encode_samples, iter_source, write_json
 from models.drafter import Drafter
 from models.registry import load_drafter, load_target
 from models.target import Target
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     rows = encode_samples(iter_source(args.heldout), target.tokenizer, args.max_len, stats, args.samples)
     if not rows:
         p.error(f"--heldout {args.heldout}: no usable conversation ({stats.summary()})")
-    samples = [Encoded(r["id"], r["ids"], r["response_mask"]) for r in rows]
+    samples = as_encoded(rows)
     results: dict = {"heldout": args.heldout, "samples": len(samples), "data": stats.summary(), "drafters": {}}
     for path in args.drafter:
         drafter = load_drafter(path, target)
