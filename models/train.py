@@ -61,7 +61,7 @@ class TrainConfig:
     depth_decay: float = 1.0  # loss weight decay**(d-1) at draft depth d after the last sync point
     lsa_pool: str = ""  # MoA: mean | weighted LSA pooling ("" keeps the --init drafter's, else the default)
     sync_weight: float = 0.0  # MoA: weight of the depth-0 loss, CA seeing the memory row of its own position
-    sync_fused: str = "own"  # MoA, depth-0 loss with fused memory: own | last (the fused entry: own row or s(i)'s)
+    sync_fused: str = "own"  # MoA, depth-0 loss with fused memory: own | last | mix (own row, s(i)'s, or per sequence)
     pool_lr_scale: float = 1.0  # MoA: the parameters it adds to the paper learn at this multiple of the lr
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     ca_kv_heads: int = 0  # MoA: widen CA (and so the memory rows) to this many key/value heads (0 keeps them)
@@ -118,7 +118,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "sync_fused": "MoA with --sync-weight and --fused-memory: the entry fused at depth 0 is the position's own "
                       "(own: then h_i, the very state whose next token is asked, so the fused path can meet the "
                       "loss by copying it) or its last sync point's before it, as in drafting (last), while CA "
-                      "still sees the row of the position itself",
+                      "still sees the row of the position itself; mix: each sequence draws own or last (1/2 each), "
+                      "own teaching the first draft and last the later ones",
         "pool_lr_scale": "MoA: the parameters added to the paper (the weighted pool's L weights, the skip's and the "
                          "fused memory's Linear) learn at this multiple of --lr. They start at 1/L and at zero, so at "
                          "the drafter's own rate they barely move in a leg",
@@ -216,7 +217,7 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
                                   g, topk, drafter.vocab_index())
         if cfg.sync_weight:
             # depth 0: every position is its own last sync point
-            fused = memory_mask(last, dtype) if cfg.sync_fused == "last" else None
+            fused = depth0_fused_mask(cfg.sync_fused, last, positions, g, dtype)
             own_out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(positions, dtype), out.memory,
                                             fused_mask=fused)
             own_weights = loss_positions(resp, positions) & pad.bool()
@@ -225,6 +226,18 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
             loss = loss + cfg.sync_weight * own_loss
             logs.update(loss=loss.item(), sync_loss=own_logs["loss"], sync_top1=own_logs["top1"])
     return (loss, logs), int(pad.sum())
+
+
+def depth0_fused_mask(how: str, last: torch.Tensor, positions: torch.Tensor, g: torch.Generator,
+                      dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused entry at depth 0 (--sync-fused): None keeps CA's own row; else the mask that picks s(i)'s entry,
+    for every sequence (last) or for a random half of them (mix)."""
+    if how == "own":
+        return None
+    if how == "last":
+        return memory_mask(last, dtype)
+    use_last = torch.rand(last.shape[0], generator=g) < 0.5
+    return memory_mask(torch.where(use_last.view(-1, 1), last, positions), dtype)
 
 
 def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
@@ -252,10 +265,10 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
         drafter.widen_memory(cfg.ca_kv_heads)
     if cfg.fused_memory:
         drafter.use_fused_memory(cfg.fused_memory)
-    if cfg.sync_fused not in ("own", "last"):
-        raise ValueError(f"--sync-fused is own or last, got {cfg.sync_fused!r}")
-    if cfg.sync_fused == "last" and not (cfg.sync_weight and drafter.arch == "moa" and drafter.fuse is not None):
-        raise ValueError("--sync-fused last needs --sync-weight and a MoA drafter with --fused-memory")
+    if cfg.sync_fused not in ("own", "last", "mix"):
+        raise ValueError(f"--sync-fused is own, last or mix, got {cfg.sync_fused!r}")
+    if cfg.sync_fused != "own" and not (cfg.sync_weight and drafter.arch == "moa" and drafter.fuse is not None):
+        raise ValueError(f"--sync-fused {cfg.sync_fused} needs --sync-weight and a MoA drafter with --fused-memory")
     if cfg.lsa_pool not in ("", "mean", "weighted"):
         raise ValueError(f"--lsa-pool is mean or weighted, got {cfg.lsa_pool!r}")
     if cfg.lsa_pool == "weighted":

@@ -238,7 +238,9 @@ def test_sync_fused_last_fuses_the_last_sync_points_entry(tiny, samples):
     base = TrainConfig(sync_min=2, sync_max=5, precision="fp32", sync_fused="last")
     with pytest.raises(ValueError, match="sync-fused last needs"):
         make_drafter(replace(base, sync_weight=0.5), tiny, samples)  # no fused memory
-    with pytest.raises(ValueError, match="own or last"):
+    with pytest.raises(ValueError, match="sync-fused mix needs"):
+        make_drafter(replace(base, sync_fused="mix"), tiny, samples)
+    with pytest.raises(ValueError, match="own, last or mix"):
         make_drafter(replace(base, sync_fused="first"), tiny, samples)
     sync = {}
     for how in ("own", "last"):
@@ -246,6 +248,29 @@ def test_sync_fused_last_fuses_the_last_sync_points_entry(tiny, samples):
         (_, logs), _ = train_step_loss(drafter, tiny, ids, resp, torch.tensor([t]), cfg, 1, 0.0)
         sync[how] = logs["sync_loss"]
     assert sync["own"] != pytest.approx(sync["last"], rel=1e-6)
+
+
+def test_sync_fused_mix_draws_own_or_last_per_sequence():
+    """--sync-fused mix: each sequence's depth-0 fused entry is wholly its own row's or wholly its last sync
+    point's, and a batch gets both."""
+    from models.sync import memory_mask
+    from models.train import depth0_fused_mask
+
+    b, t = 16, 12
+    positions = torch.arange(t).view(1, t).expand(b, t)
+    last = (positions - 3).clamp(min=0)
+    g = torch.Generator().manual_seed(0)
+    assert depth0_fused_mask("own", last, positions, g, torch.float32) is None
+    assert torch.equal(depth0_fused_mask("last", last, positions, g, torch.float32), memory_mask(last))
+    mixed = depth0_fused_mask("mix", last, positions, g, torch.float32)
+    kinds = []
+    for row in range(b):
+        if torch.equal(mixed[row], memory_mask(last)[row]):
+            kinds.append("last")
+        else:
+            assert torch.equal(mixed[row], memory_mask(positions)[row])
+            kinds.append("own")
+    assert set(kinds) == {"own", "last"}
 
 
 def test_probes_score_what_each_stage_of_the_memory_path_carries(tiny, tiny_moa, tmp_path):
