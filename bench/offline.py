@@ -36,7 +36,7 @@ from bench.prompts import Prompt
 from bench.runs import machine, now
 from moa_core.drafting import DraftSession, OfflineGuard
 from models.engine import SpeculativeEngine, TorchDraftStep
-from models.lookup import find_continuation
+from moa_core.lookup import find_continuation
 from models.target import Target
 
 METHODS = ("moa", "eagle", "lookup")

@@ -17,9 +17,11 @@ from typing import Protocol
 
 import numpy as np
 
+from moa_core.lookup import find_continuation
 from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
 
 NEG_INF = np.float32(-np.inf)
+COPY_MAX_NGRAM = 3  # OfflineGuard.copy_topk looks for the transcript's last 3-gram first, as prompt lookup does
 
 
 class DraftStep(Protocol):
@@ -48,19 +50,26 @@ class OfflineGuard:
     `max_newlines` m > 0: no run of more than m newlines (whitespace between them allowed); it needs the
     vocabulary's token texts, given with `for_vocabulary`.
     `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
-    multiplied (as in Hugging Face `generate`)."""
+    multiplied (as in Hugging Face `generate`).
+    `copy_topk` k > 0: when the transcript's last n-gram (n from 3 down to `copy_ngram`) occurred before, the token
+    that followed its latest occurrence (prompt lookup's proposal) is taken whenever the other rules allow it and
+    the drafter ranks it among its top k: text the answer repeats (names, code, the question's words) is copied
+    rather than guessed anew."""
 
     no_repeat_ngram: int = 4
     max_newlines: int = 2
     repetition_penalty: float = 1.0
     window: int = 64
+    copy_topk: int = 0
+    copy_ngram: int = 1
     # per token id: the newlines of a whitespace-only token, -1 for any other token (set by for_vocabulary)
     newlines: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1:
-            raise ValueError(f"bad offline guard {self}: no_repeat_ngram and max_newlines >= 0, "
-                             "repetition_penalty >= 1, window >= 1")
+        if min(self.no_repeat_ngram, self.max_newlines, self.copy_topk) < 0 or self.repetition_penalty < 1 \
+                or self.window < 1 or not 1 <= self.copy_ngram <= COPY_MAX_NGRAM:
+            raise ValueError(f"bad offline guard {self}: no_repeat_ngram, max_newlines and copy_topk >= 0, "
+                             f"repetition_penalty >= 1, window >= 1, copy_ngram in 1..{COPY_MAX_NGRAM}")
 
     @property
     def settings(self) -> dict:
@@ -79,12 +88,12 @@ class OfflineGuard:
             seen = np.unique(recent)
             r = self.repetition_penalty
             out[seen] = np.where(out[seen] > 0, out[seen] / r, out[seen] * r)
+        banned = np.zeros(len(out), dtype=bool)
         n = self.no_repeat_ngram
         stretch = recent[-min(len(recent), len(history) if unverified is None else unverified):]
         if n and len(stretch) >= n:
             windows = np.lib.stride_tricks.sliding_window_view(stretch, n)
-            banned = windows[(windows[:, :-1] == stretch[len(stretch) - n + 1:]).all(axis=1), -1]
-            out[banned] = NEG_INF
+            banned[windows[(windows[:, :-1] == stretch[len(stretch) - n + 1:]).all(axis=1), -1]] = True
         if self.max_newlines and self.newlines is not None:
             run = 0
             for t in reversed(recent):
@@ -92,7 +101,15 @@ class OfflineGuard:
                     break
                 run += self.newlines[t]
             table = self.newlines[: len(out)]
-            out[: len(table)][(table > 0) & (run + table > self.max_newlines)] = NEG_INF
+            banned[: len(table)] |= (table > 0) & (run + table > self.max_newlines)
+        if self.copy_topk:
+            found = find_continuation(history, COPY_MAX_NGRAM, self.copy_ngram, 1)
+            # a token outside a reduced draft vocabulary (-inf) ranks after all the drafter's own
+            if found and found[0] < len(out) and not banned[found[0]] \
+                    and (out > out[found[0]]).sum() < self.copy_topk:
+                out[:], banned[:] = NEG_INF, False
+                out[found[0]] = 0.0  # probability 1, whatever the temperature
+        out[banned] = NEG_INF
         return out
 
 

@@ -5,9 +5,10 @@ from collections import Counter
 
 import torch
 
+from moa_core.lookup import find_continuation
 from moa_core.tree import TreeConfig
 from models.engine import SpeculativeEngine
-from models.lookup import PromptLookup, chain_tree, find_continuation
+from models.lookup import PromptLookup, chain_tree
 from models.verify import Sampling, target_probs, verify_tree
 from tests.helpers import greedy_continuations
 from tests.helpers import chi_square_p, joint_first_two

@@ -5,6 +5,7 @@ without the guard and does not with it, and `python -m bench offline` end to end
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,6 +31,30 @@ def test_guard_rules():
     assert np.isinf(OfflineGuard(no_repeat_ngram=3).apply(logits, history, unverified=5)).tolist()[2]
     with pytest.raises(ValueError, match="repetition_penalty"):
         OfflineGuard(repetition_penalty=0.5)
+
+
+def test_guard_copies_what_the_text_repeats():
+    """copy_topk: after the last n-gram's earlier occurrence, the token that followed it is taken when the drafter
+    ranks it in its top k and no other rule bans it; otherwise the logits pass unchanged."""
+    logits = np.array([2.0, -1.0, 3.0, 0.5, 1.0], dtype=np.float32)
+    history = [4, 3, 1, 4, 3]  # (4, 3) occurred before, followed by 1: the drafter ranks 1 fifth
+    off = OfflineGuard(no_repeat_ngram=0, max_newlines=0)
+    assert off.apply(logits, history).tolist() == logits.tolist()
+    copied = replace(off, copy_topk=5).apply(logits, history)
+    assert int(np.argmax(copied)) == 1 and np.isinf(copied).sum() == 4  # taken, whatever the temperature
+    assert replace(off, copy_topk=4).apply(logits, history).tolist() == logits.tolist()  # not in the top 4
+    outside = logits.copy()
+    outside[1] = -np.inf  # outside a reduced draft vocabulary: ranked last, copied when k reaches past the rest
+    assert replace(off, copy_topk=4).apply(outside, history).tolist() == outside.tolist()
+    assert int(np.argmax(replace(off, copy_topk=5).apply(outside, history))) == 1
+    assert replace(off, copy_topk=5).apply(logits, [0, 2, 3]).tolist() == logits.tolist()  # nothing repeats
+    assert replace(off, copy_topk=5, copy_ngram=3).apply(logits, history).tolist() == logits.tolist()  # 2-gram only
+    # the n-gram rule wins: copying 1 after (4, 3) would repeat the unverified (4, 3, 1)
+    banned = OfflineGuard(no_repeat_ngram=3, max_newlines=0, copy_topk=5).apply(logits, history)
+    assert np.isneginf(banned[1]) and int(np.argmax(banned)) == 2
+    for bad in ({"copy_topk": -1}, {"copy_ngram": 0}, {"copy_ngram": 4}):
+        with pytest.raises(ValueError, match="copy"):
+            OfflineGuard(**bad)
 
 
 def test_guard_caps_newline_runs():
