@@ -61,19 +61,17 @@ def add_offline_guard_arguments(group: argparse.ArgumentParser | argparse._Argum
                        "%(default)s)")
     group.add_argument("--guard-window", type=int, default=d.window, metavar="W", help="how many recent tokens the "
                        "rules look at (default: %(default)s)")
-    group.add_argument("--copy-topk", type=int, default=d.copy_topk, metavar="K", help="offline tokens: when the "
-                       "text's last n-gram occurred before, copy the token that followed it (prompt lookup) if the "
-                       "drafter ranks it in its top K; 0 = off (default: %(default)s)")
-    group.add_argument("--copy-ngram", type=int, default=d.copy_ngram, metavar="N", help="the shortest n-gram "
-                       "--copy-topk matches, 1-3 (default: %(default)s)")
+    group.add_argument("--no-copy", dest="copy", action="store_false", help="offline tokens: do not copy what the "
+                       "text repeats (by default, when its last 1-3 tokens occurred before, the token that followed "
+                       "them is taken, as prompt lookup would draft it)")
 
 
 def offline_guard(args: argparse.Namespace) -> OfflineGuard | None:
     """The guard the flags ask for; None when every rule is off."""
-    if args.no_repeat_ngram == 0 and args.max_newlines == 0 and args.repetition_penalty == 1 and args.copy_topk == 0:
+    if args.no_repeat_ngram == 0 and args.max_newlines == 0 and args.repetition_penalty == 1 and not args.copy:
         return None
     return OfflineGuard(args.no_repeat_ngram, args.max_newlines, args.repetition_penalty, args.guard_window,
-                        args.copy_topk, args.copy_ngram)
+                        args.copy)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from moa_core.lookup import find_continuation
 from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
 
 NEG_INF = np.float32(-np.inf)
-COPY_MAX_NGRAM = 3  # OfflineGuard.copy_topk looks for the transcript's last 3-gram first, as prompt lookup does
+COPY_MAX_NGRAM = 3  # OfflineGuard.copy looks for the transcript's last 3-gram first, as prompt lookup does
 
 
 class DraftStep(Protocol):
@@ -43,7 +43,8 @@ class DraftStep(Protocol):
 
 @dataclass(frozen=True)
 class OfflineGuard:
-    """Decoding rules for unverified (offline) tokens against degenerate loops, over the last `window` tokens.
+    """Decoding rules for unverified (offline) tokens: no degenerate loops (over the last `window` tokens), and
+    copying what the text repeats.
 
     `no_repeat_ngram` n > 0: a token that would complete an n-gram already in the unverified stretch (the window's
     share of it) is banned; repeats of verified text (a list's pattern, a name) stay allowed.
@@ -51,25 +52,23 @@ class OfflineGuard:
     vocabulary's token texts, given with `for_vocabulary`.
     `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
     multiplied (as in Hugging Face `generate`).
-    `copy_topk` k > 0: when the transcript's last n-gram (n from 3 down to `copy_ngram`) occurred before, the token
-    that followed its latest occurrence (prompt lookup's proposal) is taken whenever the other rules allow it and
-    the drafter ranks it among its top k: text the answer repeats (names, code, the question's words) is copied
-    rather than guessed anew."""
+    `copy`: when the transcript's last n-gram (n = 3, else 2, else 1) occurred before, the token that followed its
+    latest occurrence (prompt lookup's proposal) is taken, unless another rule bans it: text an answer repeats
+    (names, code, the question's words) is copied rather than guessed anew, tokens outside a reduced draft
+    vocabulary included."""
 
     no_repeat_ngram: int = 4
     max_newlines: int = 2
     repetition_penalty: float = 1.0
     window: int = 64
-    copy_topk: int = 0
-    copy_ngram: int = 1
+    copy: bool = True
     # per token id: the newlines of a whitespace-only token, -1 for any other token (set by for_vocabulary)
     newlines: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if min(self.no_repeat_ngram, self.max_newlines, self.copy_topk) < 0 or self.repetition_penalty < 1 \
-                or self.window < 1 or not 1 <= self.copy_ngram <= COPY_MAX_NGRAM:
-            raise ValueError(f"bad offline guard {self}: no_repeat_ngram, max_newlines and copy_topk >= 0, "
-                             f"repetition_penalty >= 1, window >= 1, copy_ngram in 1..{COPY_MAX_NGRAM}")
+        if min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1:
+            raise ValueError(f"bad offline guard {self}: no_repeat_ngram and max_newlines >= 0, "
+                             "repetition_penalty >= 1, window >= 1")
 
     @property
     def settings(self) -> dict:
@@ -102,11 +101,9 @@ class OfflineGuard:
                 run += self.newlines[t]
             table = self.newlines[: len(out)]
             banned[: len(table)] |= (table > 0) & (run + table > self.max_newlines)
-        if self.copy_topk:
-            found = find_continuation(history, COPY_MAX_NGRAM, self.copy_ngram, 1)
-            # a token outside a reduced draft vocabulary (-inf) ranks after all the drafter's own
-            if found and found[0] < len(out) and not banned[found[0]] \
-                    and (out > out[found[0]]).sum() < self.copy_topk:
+        if self.copy:
+            found = find_continuation(history, COPY_MAX_NGRAM, 1, 1)
+            if found and found[0] < len(out) and not banned[found[0]]:
                 out[:], banned[:] = NEG_INF, False
                 out[found[0]] = 0.0  # probability 1, whatever the temperature
         out[banned] = NEG_INF

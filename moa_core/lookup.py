@@ -1,5 +1,5 @@
 """Prompt lookup's search, in numpy: shared by the `PromptLookup` drafter (models.lookup) and the edge's offline
-decoding rules (`OfflineGuard.copy_topk`)."""
+decoding rules (`OfflineGuard.copy`)."""
 
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ def test_verify_resume_keeps_the_agreeing_offline_tokens_in_one_request(env, ref
         assert s.stats.server_calls == 2 + s.stats.verify_calls
 
 
-@pytest.mark.parametrize("guard", [[], ["--no-repeat-ngram", "0", "--max-newlines", "0"]], ids=["guard", "none"])
+@pytest.mark.parametrize("guard", [[], ["--no-repeat-ngram", "0", "--max-newlines", "0", "--no-copy"]], ids=["guard", "none"])
 def test_offline_cli_guard(env, guard):
     out = edge_cli(PROMPT, "--bundle", str(env["bundle"]), "--mode", "offline", "--max-new-tokens", "40", "--json",
                    "--no-repeat-ngram", "2", *guard)

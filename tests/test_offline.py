@@ -21,45 +21,41 @@ from tests.helpers import train_tiny
 def test_guard_rules():
     logits = np.array([2.0, -1.0, 3.0, 0.5, 1.0], dtype=np.float32)
     history = [0, 1, 2, 0, 1]  # the 3-gram (0, 1, 2) is in the window: after (0, 1) token 2 is banned
-    out = OfflineGuard(no_repeat_ngram=3, repetition_penalty=2.0).apply(logits, history)
+    out = OfflineGuard(no_repeat_ngram=3, repetition_penalty=2.0, copy=False).apply(logits, history)
     assert out.tolist() == [1.0, -2.0, -np.inf, 0.5, 1.0]
-    off = OfflineGuard(no_repeat_ngram=0, max_newlines=0)
+    off = OfflineGuard(no_repeat_ngram=0, max_newlines=0, copy=False)
     assert off.apply(logits, history).tolist() == logits.tolist()
-    assert OfflineGuard(no_repeat_ngram=3, window=3).apply(logits, history).tolist() == logits.tolist()  # out of window
+    assert OfflineGuard(no_repeat_ngram=3, window=3, copy=False).apply(logits, history).tolist() == logits.tolist()  # out of window
     # the n-gram rule looks at the unverified stretch only: (0, 1, 2) was verified text, repeating it is fine
-    assert not np.isinf(OfflineGuard(no_repeat_ngram=3).apply(logits, history, unverified=3)).any()
-    assert np.isinf(OfflineGuard(no_repeat_ngram=3).apply(logits, history, unverified=5)).tolist()[2]
+    assert not np.isinf(OfflineGuard(no_repeat_ngram=3, copy=False).apply(logits, history, unverified=3)).any()
+    assert np.isinf(OfflineGuard(no_repeat_ngram=3, copy=False).apply(logits, history, unverified=5)).tolist()[2]
     with pytest.raises(ValueError, match="repetition_penalty"):
         OfflineGuard(repetition_penalty=0.5)
 
 
 def test_guard_copies_what_the_text_repeats():
-    """copy_topk: after the last n-gram's earlier occurrence, the token that followed it is taken when the drafter
-    ranks it in its top k and no other rule bans it; otherwise the logits pass unchanged."""
+    """copy: after the last n-gram's earlier occurrence, the token that followed it is taken (probability 1), even
+    outside a reduced draft vocabulary, unless another rule bans it; with nothing repeated the logits pass."""
     logits = np.array([2.0, -1.0, 3.0, 0.5, 1.0], dtype=np.float32)
-    history = [4, 3, 1, 4, 3]  # (4, 3) occurred before, followed by 1: the drafter ranks 1 fifth
-    off = OfflineGuard(no_repeat_ngram=0, max_newlines=0)
+    history = [4, 3, 1, 4, 3]  # (4, 3) occurred before, followed by 1, which the drafter ranks last
+    off = OfflineGuard(no_repeat_ngram=0, max_newlines=0, copy=False)
     assert off.apply(logits, history).tolist() == logits.tolist()
-    copied = replace(off, copy_topk=5).apply(logits, history)
-    assert int(np.argmax(copied)) == 1 and np.isinf(copied).sum() == 4  # taken, whatever the temperature
-    assert replace(off, copy_topk=4).apply(logits, history).tolist() == logits.tolist()  # not in the top 4
+    on = replace(off, copy=True)
+    copied = on.apply(logits, history)
+    assert copied.tolist() == [-np.inf, 0.0, -np.inf, -np.inf, -np.inf]
     outside = logits.copy()
-    outside[1] = -np.inf  # outside a reduced draft vocabulary: ranked last, copied when k reaches past the rest
-    assert replace(off, copy_topk=4).apply(outside, history).tolist() == outside.tolist()
-    assert int(np.argmax(replace(off, copy_topk=5).apply(outside, history))) == 1
-    assert replace(off, copy_topk=5).apply(logits, [0, 2, 3]).tolist() == logits.tolist()  # nothing repeats
-    assert replace(off, copy_topk=5, copy_ngram=3).apply(logits, history).tolist() == logits.tolist()  # 2-gram only
+    outside[1] = -np.inf  # outside a reduced draft vocabulary
+    assert on.apply(outside, history).tolist() == copied.tolist()
+    assert on.apply(logits, [0, 2, 3]).tolist() == logits.tolist()  # nothing repeats
+    assert int(np.argmax(on.apply(logits, [3, 0, 2, 3]))) == 0  # the 1-gram (3) counts too
     # the n-gram rule wins: copying 1 after (4, 3) would repeat the unverified (4, 3, 1)
-    banned = OfflineGuard(no_repeat_ngram=3, max_newlines=0, copy_topk=5).apply(logits, history)
+    banned = OfflineGuard(no_repeat_ngram=3, max_newlines=0).apply(logits, history)
     assert np.isneginf(banned[1]) and int(np.argmax(banned)) == 2
-    for bad in ({"copy_topk": -1}, {"copy_ngram": 0}, {"copy_ngram": 4}):
-        with pytest.raises(ValueError, match="copy"):
-            OfflineGuard(**bad)
 
 
 def test_guard_caps_newline_runs():
     texts = ["a", "\n", "\n\n", " ", "b", "\n  "]
-    guard = OfflineGuard(no_repeat_ngram=0, max_newlines=2).for_vocabulary(texts)
+    guard = OfflineGuard(no_repeat_ngram=0, max_newlines=2, copy=False).for_vocabulary(texts)
     assert guard.newlines.tolist() == [-1, 1, 2, 0, -1, 1] and guard.settings["max_newlines"] == 2
     logits = np.zeros(6, dtype=np.float32)
     assert np.isinf(guard.apply(logits, [0])).tolist() == [False] * 6  # no run yet: a paragraph break is fine
@@ -119,7 +115,8 @@ def test_offline_bench_end_to_end(tiny, tmp_path):
     methods = results["methods"]
     assert list(methods) == ["target", "moa", "moa+guard", "eagle", "eagle+guard", "lookup"]
     assert results["settings"]["decoding"]["moa+guard"]["guard"] == {"no_repeat_ngram": 2, "max_newlines": 2,
-                                                                     "repetition_penalty": 1.0, "window": 64}
+                                                                     "repetition_penalty": 1.0, "window": 64,
+                                                                     "copy": True}
     records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(records) == 3 * 2 * 6
     for cut in ("4", "8"):
