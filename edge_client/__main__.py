@@ -7,8 +7,8 @@
     moa-edge --disconnect-after 32 --offline-for 2 "..."    experiment: drop the link, resync 2 s later
 
 Text streams to stdout as tokens are accepted; text made offline (unverified) is dim on a terminal and is decoded
-under a guard against loops (--no-repeat-ngram, --max-newlines, --repetition-penalty, --offline-temperature;
-verified text never is). Under
+under a guard against loops that copies what the text repeats (--no-repeat-ngram, --max-newlines,
+--repetition-penalty, --no-copy, --offline-temperature; verified text never is). Under
 `--on-reconnect verify` offline text the target rejects is withdrawn: the stream prints ⟲ after it and goes on
 with the target's text (--json holds the final text only); a reply that ends offline waits up to --resync-wait
 seconds for the server to verify it. Events and a status line go to stderr.
