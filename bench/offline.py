@@ -71,7 +71,8 @@ class Continuer:
     def __init__(self, target: Target, drafter=None, guard: OfflineGuard | None = None, temperature: float = 0.0):
         self.target, self.temperature = target, temperature
         vocabulary = target.tokenizer.batch_decode([[i] for i in range(len(target.tokenizer))]) if guard else []
-        self.guard = guard.for_vocabulary(vocabulary) if guard else None
+        special = set(target.tokenizer.all_special_ids) | set(target.eos_token_ids)
+        self.guard = guard.for_vocabulary(vocabulary, special) if guard else None
         self.step = TorchDraftStep(drafter) if drafter is not None else None
 
     def memory_rows(self, step, n: int) -> np.ndarray:

@@ -69,6 +69,11 @@ class ChatTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def special_token_ids(self) -> set[int]:
+        """The special tokens' ids (chat markers, end of text) and the end-of-turn ids."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return {int(i) for i, token in added.items() if token.special} | set(self.eos_token_ids)
+
     def token_texts(self) -> list[str]:
         """Every token of the vocabulary decoded alone, special tokens included, by id."""
         return self.tokenizer.decode_batch([[i] for i in range(self.tokenizer.get_vocab_size())],

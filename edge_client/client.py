@@ -348,7 +348,8 @@ class EdgeSession:
         self.resync_wait_s = resync_wait_s  # under `verify`: how long a generation waits to verify its offline end
         self.ssl_context = ssl.create_default_context(cafile=cafile) if cafile else None
         # offline tokens: the guard (None: plain drafter output) and temperature (None: the generation's)
-        self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts()) if offline_guard else None
+        self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts(),
+                                                        self.tokenizer.special_token_ids()) if offline_guard else None
         self.offline_temperature = offline_temperature
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.choice: Choice | None = None  # the cost model's prediction (tree auto)

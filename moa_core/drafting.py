@@ -13,7 +13,7 @@ verified output stays the target's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -53,9 +53,9 @@ class OfflineGuard:
     `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
     multiplied (as in Hugging Face `generate`).
     `copy`: when the transcript's last n-gram (n = 3, else 2, else 1) occurred before, the token that followed its
-    latest occurrence (prompt lookup's proposal) is taken, unless another rule bans it: text an answer repeats
-    (names, code, the question's words) is copied rather than guessed anew, tokens outside a reduced draft
-    vocabulary included."""
+    latest occurrence (prompt lookup's proposal) is taken, unless another rule bans it or it is a special token (an
+    end of turn copied from the prompt's template would end the reply): text an answer repeats (names, code, the
+    question's words) is copied rather than guessed anew, tokens outside a reduced draft vocabulary included."""
 
     no_repeat_ngram: int = 4
     max_newlines: int = 2
@@ -64,6 +64,8 @@ class OfflineGuard:
     copy: bool = True
     # per token id: the newlines of a whitespace-only token, -1 for any other token (set by for_vocabulary)
     newlines: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # special tokens (end of turn, chat markers: set by for_vocabulary), never copied: the prompt's template has them
+    special: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self):
         if min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1:
@@ -72,11 +74,13 @@ class OfflineGuard:
 
     @property
     def settings(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "newlines"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("newlines", "special")}
 
-    def for_vocabulary(self, texts: list[str]) -> "OfflineGuard":
-        """The guard with the newline table of a vocabulary (`texts[i]`: token i decoded alone)."""
-        return replace(self, newlines=np.array([t.count("\n") if not t.strip() else -1 for t in texts]))
+    def for_vocabulary(self, texts: list[str], special: Iterable[int] = ()) -> "OfflineGuard":
+        """The guard with the newline table of a vocabulary (`texts[i]`: token i decoded alone) and its special
+        tokens' ids (end of turn included)."""
+        return replace(self, newlines=np.array([t.count("\n") if not t.strip() else -1 for t in texts]),
+                       special=frozenset(int(i) for i in special))
 
     def apply(self, logits: np.ndarray, history: list[int], unverified: int | None = None) -> np.ndarray:
         """The next token's logits (V,) after the rules, given the tokens so far, of which the last `unverified`
@@ -103,7 +107,7 @@ class OfflineGuard:
             banned[: len(table)] |= (table > 0) & (run + table > self.max_newlines)
         if self.copy:
             found = find_continuation(history, COPY_MAX_NGRAM, 1, 1)
-            if found and found[0] < len(out) and not banned[found[0]]:
+            if found and found[0] < len(out) and not banned[found[0]] and found[0] not in self.special:
                 out[:], banned[:] = NEG_INF, False
                 out[found[0]] = 0.0  # probability 1, whatever the temperature
         out[banned] = NEG_INF

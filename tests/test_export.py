@@ -267,6 +267,8 @@ def test_chat_template_matches_transformers_smollm2(real_target_dir):
             assert tok.template.render(messages, gen) == text
             ids = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
             assert tok.encode_chat(messages, gen) == list(ids if isinstance(ids, list) else ids["input_ids"])
+    # the edge's special tokens (never copied offline) are transformers' too
+    assert tok.special_token_ids() >= set(hf.all_special_ids) | {hf.eos_token_id}
 
 
 # ---- the real default drafter ----------------------------------------------------------------------------------

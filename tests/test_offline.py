@@ -47,6 +47,8 @@ def test_guard_copies_what_the_text_repeats():
     outside[1] = -np.inf  # outside a reduced draft vocabulary
     assert on.apply(outside, history).tolist() == copied.tolist()
     assert on.apply(logits, [0, 2, 3]).tolist() == logits.tolist()  # nothing repeats
+    # a special token (say the template's end of turn) is never copied
+    assert on.for_vocabulary(["a"] * 5, special=[1]).apply(logits, history).tolist() == logits.tolist()
     assert int(np.argmax(on.apply(logits, [3, 0, 2, 3]))) == 0  # the 1-gram (3) counts too
     # the n-gram rule wins: copying 1 after (4, 3) would repeat the unverified (4, 3, 1)
     banned = OfflineGuard(no_repeat_ngram=3, max_newlines=0).apply(logits, history)
