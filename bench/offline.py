@@ -36,7 +36,7 @@ from bench.prompts import Prompt
 from bench.runs import machine, now
 from moa_core.drafting import DraftSession, OfflineGuard
 from models.engine import SpeculativeEngine, TorchDraftStep
-from moa_core.lookup import find_continuation
+from moa_core.lookup import MAX_NGRAM, MIN_NGRAM, find_continuation
 from models.target import Target
 
 METHODS = ("moa", "eagle", "lookup")
@@ -70,9 +70,11 @@ class Continuer:
 
     def __init__(self, target: Target, drafter=None, guard: OfflineGuard | None = None, temperature: float = 0.0):
         self.target, self.temperature = target, temperature
-        vocabulary = target.tokenizer.batch_decode([[i] for i in range(len(target.tokenizer))]) if guard else []
-        special = set(target.tokenizer.all_special_ids) | set(target.eos_token_ids)
-        self.guard = guard.for_vocabulary(vocabulary, special) if guard else None
+        self.guard = None
+        if guard is not None:
+            vocabulary = target.tokenizer.batch_decode([[i] for i in range(len(target.tokenizer))])
+            special = set(target.tokenizer.all_special_ids) | set(target.eos_token_ids)
+            self.guard = guard.for_vocabulary(vocabulary, special)
         self.step = TorchDraftStep(drafter) if drafter is not None else None
 
     def memory_rows(self, step, n: int) -> np.ndarray:
@@ -91,7 +93,7 @@ class Continuer:
         token = root
         while len(out) < n and token not in self.target.eos_token_ids:
             if session is None:  # prompt lookup: stops when nothing in the transcript matches
-                found = find_continuation(context + [root] + out, 3, 1, 1)
+                found = find_continuation(context + [root] + out, MAX_NGRAM, MIN_NGRAM, 1)
                 if not found:
                     break
                 token = found[0]

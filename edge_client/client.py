@@ -11,8 +11,8 @@ is a cache.
   generating with its drafter alone (memory rows frozen at the last verified token), streams those tokens marked
   `offline`, and reconnects in the background (exponential backoff with jitter). Offline tokens are chosen under
   an `OfflineGuard` (no repeated n-grams, no long newline runs, copying what the text repeats, optionally a
-  repetition penalty) and at
-  `offline_temperature`; verified tokens never are, so online output stays the target's.
+  repetition penalty) and at `offline_temperature`; verified tokens never are, so online output stays the
+  target's.
 - Back online it resumes by policy. `keep`: the server takes the offline tokens as they are. `verify`: the target
   checks them and the edge rewinds to the first disagreement; the stream then carries a `Chunk` whose `rewind`
   says how many characters of the text shown so far to delete before appending it. Under `verify` a generation

@@ -17,11 +17,10 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
-from moa_core.lookup import find_continuation
+from moa_core.lookup import MAX_NGRAM, MIN_NGRAM, find_continuation
 from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
 
 NEG_INF = np.float32(-np.inf)
-COPY_MAX_NGRAM = 3  # OfflineGuard.copy looks for the transcript's last 3-gram first, as prompt lookup does
 
 
 class DraftStep(Protocol):
@@ -106,10 +105,11 @@ class OfflineGuard:
             table = self.newlines[: len(out)]
             banned[: len(table)] |= (table > 0) & (run + table > self.max_newlines)
         if self.copy:
-            found = find_continuation(history, COPY_MAX_NGRAM, 1, 1)
+            found = find_continuation(history, MAX_NGRAM, MIN_NGRAM, 1)
             if found and found[0] < len(out) and not banned[found[0]] and found[0] not in self.special:
-                out[:], banned[:] = NEG_INF, False
-                out[found[0]] = 0.0  # probability 1, whatever the temperature
+                copied = np.full_like(out, NEG_INF)
+                copied[found[0]] = 0.0  # probability 1, whatever the temperature
+                return copied
         out[banned] = NEG_INF
         return out
 

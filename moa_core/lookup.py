@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+MAX_NGRAM, MIN_NGRAM = 3, 1  # the default search: the transcript's last 3 tokens, else 2, else 1
+
 
 def find_continuation(transcript: list[int], max_ngram: int, min_ngram: int, num_draft: int) -> list[int]:
     """Tokens that followed the most recent earlier occurrence of the longest matching suffix n-gram."""

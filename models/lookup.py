@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moa_core.lookup import find_continuation
+from moa_core.lookup import MAX_NGRAM, MIN_NGRAM, find_continuation
 from moa_core.tree import DraftTree, TreeConfig
 
 
@@ -36,8 +36,8 @@ def chain_tree(tokens: list[int]) -> DraftTree:
 class PromptLookup:
     """The engine's `Proposer` for prompt lookup; the tree budget's depth is the number of drafted tokens."""
 
-    max_ngram: int = 3
-    min_ngram: int = 1
+    max_ngram: int = MAX_NGRAM
+    min_ngram: int = MIN_NGRAM
     default_tree: TreeConfig = TreeConfig(6, 1, 6)
 
     def propose(self, transcript: list[int], cfg: TreeConfig) -> DraftTree:

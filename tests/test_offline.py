@@ -25,7 +25,8 @@ def test_guard_rules():
     assert out.tolist() == [1.0, -2.0, -np.inf, 0.5, 1.0]
     off = OfflineGuard(no_repeat_ngram=0, max_newlines=0, copy=False)
     assert off.apply(logits, history).tolist() == logits.tolist()
-    assert OfflineGuard(no_repeat_ngram=3, window=3, copy=False).apply(logits, history).tolist() == logits.tolist()  # out of window
+    out_of_window = OfflineGuard(no_repeat_ngram=3, window=3, copy=False)
+    assert out_of_window.apply(logits, history).tolist() == logits.tolist()
     # the n-gram rule looks at the unverified stretch only: (0, 1, 2) was verified text, repeating it is fine
     assert not np.isinf(OfflineGuard(no_repeat_ngram=3, copy=False).apply(logits, history, unverified=3)).any()
     assert np.isinf(OfflineGuard(no_repeat_ngram=3, copy=False).apply(logits, history, unverified=5)).tolist()[2]
