@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.prompts import SETS, Prompt, PromptsError, builtin_prompts, load_prompts, write_prompts
 from edge_client.__main__ import add_offline_guard_arguments, offline_guard
+from moa_core.lookup import COPY_TOKENS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,13 +36,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "after N verified tokens, scored against the target's own continuation (PyTorch, one device)")
     for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, "api,eagle,moa"), (o, "moa,eagle,lookup")):
         b.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
-        b.add_argument("--methods", default=methods, help=f"comma-separated, from {methods} (default: all)")
+        variants = "; eagle+copy, moa+copy: with copy chains (--copy-tokens)" if b is not o else ""
+        b.add_argument("--methods", default=methods, help=f"comma-separated, from {methods}{variants} (default: "
+                       f"{methods})")
         b.add_argument("--out", required=True, help="output directory")
         b.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i uses seed+i)")
         b.add_argument("--limit", type=int, default=None, help="run the first N prompts only")
         b.add_argument("--no-progress", action="store_true")
     for b in (s, e):
         b.add_argument("--max-new-tokens", type=int, default=128)
+        b.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, help="longest copy chain of the +copy methods "
+                       "(default: %(default)s)")
         b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         b.add_argument("--tree", default="auto", help="auto (cost model per method) or depth,topk,total_tokens")
     for b in (s, o):
@@ -129,7 +134,8 @@ def load_models(args: argparse.Namespace, methods: list[str]):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    drafters = {m: str(resolve_drafter_path(getattr(args, m))) for m in ("moa", "eagle") if m in methods}
+    drafters = {m: str(resolve_drafter_path(getattr(args, m))) for m in ("moa", "eagle")
+                if m in {x.removesuffix("+copy") for x in methods}}
     return load_target(args.target, dtype=args.dtype, device=args.device, quantize=args.quantize), drafters
 
 
@@ -137,7 +143,7 @@ def single(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) 
     from bench.single import build_engines, run_single
 
     target, drafters = load_models(args, methods)
-    engines = build_engines(target, methods, args.tree, drafters)
+    engines = build_engines(target, methods, args.tree, drafters, args.copy_tokens)
     return run_single(target, engines, prompts, args.max_new_tokens, args.temperature, args.seed, drafters,
                       progress=not args.no_progress)
 
@@ -149,7 +155,7 @@ def edge(args: argparse.Namespace, methods: list[str], prompts: list[Prompt]) ->
         return {d: getattr(args, f"{d}_{kind}") for d in ("moa", "eagle") if getattr(args, f"{d}_{kind}")}
 
     return run_edge(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.tree, args.dtype,
-                    pick("bundle"), pick("server"), args.token, args.threads, args.quantize,
+                    pick("bundle"), pick("server"), args.token, args.threads, args.quantize, args.copy_tokens,
                     progress=not args.no_progress)
 
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from bench.prompts import Prompt
+from moa_core.lookup import COPY_TOKENS
 from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
 from edge_client.client import EdgeSession, default_bundle
 from server.process import ServerProcess
 
-METHODS = ("api", "eagle", "moa")
-DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa"}  # whose bundle and server each method uses
+METHODS = ("api", "eagle", "moa", "eagle+copy", "moa+copy")  # +copy: with copy chains
+DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa", "eagle+copy": "eagle", "moa+copy": "moa"}  # bundle, server
 
 
 def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
@@ -59,11 +60,12 @@ def summarize(runs: list[Run]) -> dict:
 def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, tree: str = "auto", dtype: str = "fp32", bundles: dict[str, str] | None = None,
              servers: dict[str, str] | None = None, token: str | None = None, threads: int | None = None,
-             quantize: str = "none", progress: bool = True) -> tuple[dict, list[Run]]:
+             quantize: str = "none", copy_tokens: int = COPY_TOKENS, progress: bool = True) -> tuple[dict, list[Run]]:
     """Run the methods side by side. `bundles` and `servers` map a drafter (moa, eagle) to a bundle directory and a
     server URL; missing bundles are the shipped drafters' (exported on first use, in `dtype`), missing servers are
     started here on loopback with that drafter (`threads` torch threads, the target `quantize`d) and stopped at the
-    end. Every method must see the same target: servers that report different ones are refused."""
+    end. Every method must see the same target: servers that report different ones are refused. The +copy methods
+    verify copy chains of up to `copy_tokens`."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
@@ -79,7 +81,9 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
             servers[d] = stack.enter_context(server).url
         sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
                                                        mode="api" if m == "api" else "speculative", tree=tree,
-                                                       threads=threads)) for m in methods}
+                                                       threads=threads,
+                                                       copy_tokens=copy_tokens if m.endswith("+copy") else 0))
+                    for m in methods}
         targets = {s.target for s in sessions.values()}
         if len(targets) > 1:
             raise ValueError(f"the servers run different targets ({', '.join(sorted(targets))}): the methods would "

@@ -11,7 +11,9 @@ turn). Figures per method, overall and per category:
   rounds at the predicted tau, or plain decoding where it predicted speculation not to pay, refreshed by the
   generations observed before, warm-up included), next to the measured tokens_per_s; predicted_error = predicted /
   measured - 1 (None where a generation had nothing to predict with: prompt lookup before any observation);
-- outputs_match_vanilla (greedy only): the share of prompts whose token ids equal vanilla's.
+- outputs_match_vanilla (greedy only): the share of prompts whose token ids equal vanilla's;
+- copy_round_share (methods eagle+copy, moa+copy): rounds that verified a copy chain (`SpeculativeEngine`'s
+  `copy_tokens`, `--copy-tokens`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import torch
 
 from bench.prompts import Prompt
 from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
+from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine
 from models.target import Target
 
-METHODS = ("vanilla", "lookup", "eagle", "moa")
+METHODS = ("vanilla", "lookup", "eagle", "moa", "eagle+copy", "moa+copy")  # +copy: with copy chains
 
 
-def build_engines(target: Target, methods: list[str], tree: str,
-                  drafters: dict[str, str]) -> dict[str, SpeculativeEngine]:
-    """One engine per method; `drafters` maps moa/eagle to a shipped name or a drafter directory."""
+def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[str, str],
+                  copy_tokens: int = COPY_TOKENS) -> dict[str, SpeculativeEngine]:
+    """One engine per method; `drafters` maps moa/eagle to a shipped name or a drafter directory; the +copy methods
+    verify copy chains of up to `copy_tokens`."""
     from models.registry import load_drafter
 
     unknown = [m for m in methods if m not in METHODS]
@@ -36,8 +40,9 @@ def build_engines(target: Target, methods: list[str], tree: str,
         raise ValueError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
     engines = {}
     for m in methods:
-        drafter = None if m == "vanilla" else "lookup" if m == "lookup" else load_drafter(drafters[m], target)
-        engines[m] = SpeculativeEngine(target, drafter, tree=tree)
+        name = m.removesuffix("+copy")
+        drafter = None if name == "vanilla" else "lookup" if name == "lookup" else load_drafter(drafters[name], target)
+        engines[m] = SpeculativeEngine(target, drafter, tree=tree, copy_tokens=copy_tokens if m != name else 0)
         engines[m].measure_costs()
     return engines
 
@@ -50,6 +55,7 @@ def engine_turn(engine: SpeculativeEngine, seed: int, **gen) -> Turn:
             "new_tokens": s.new_tokens, "total_s": s.total_s, "gained": sum(s.acceptance_lengths),
             "rounds": len(s.acceptance_lengths), "target_forwards": s.target_forwards, "drafter_calls": s.drafter_calls,
             "draft_s": s.draft_s, "verify_s": s.verify_s, "plain_rounds": s.plain_rounds,
+            "copy_rounds": s.copy_rounds,
             **({"predicted_s": s.predicted_s} if s.predicted_s is not None else {})}
     return turn
 
@@ -60,7 +66,8 @@ def summarize(runs: list[Run]) -> dict:
     return {"tau": total(runs, "gained") / max(1, total(runs, "rounds")),
             "target_forwards_per_token": total(runs, "target_forwards") / max(1, total(runs, "new_tokens")),
             "draft_s": total(runs, "draft_s"), "verify_s": total(runs, "verify_s"),
-            "plain_round_share": total(runs, "plain_rounds") / max(1, total(runs, "rounds")), **predicted(runs)}
+            "plain_round_share": total(runs, "plain_rounds") / max(1, total(runs, "rounds")),
+            "copy_round_share": total(runs, "copy_rounds") / max(1, total(runs, "rounds")), **predicted(runs)}
 
 
 def run_single(
@@ -90,7 +97,8 @@ def run_single(
         "seed": seed,
         "n_prompts": len(prompts),
         "target": target.label,
-        "drafters": {m: str(p) for m, p in (drafter_paths or {}).items() if m in engines},
+        "drafters": {m: str(p) for m, p in (drafter_paths or {}).items()
+                     if m in {e.removesuffix("+copy") for e in engines}},
         "date": now(),
     }
     results = {"settings": settings, "methods": aggregate(runs, "vanilla", temperature <= 0, summarize)}

@@ -30,6 +30,7 @@ from typing import TextIO
 from edge_client.bundle import BundleError
 from edge_client.client import DEFAULT_SERVER, MODES, POLICIES, EdgeError, EdgeSession, LinkDown, Prompt, Result
 from moa_core.drafting import OfflineGuard
+from moa_core.lookup import COPY_TOKENS
 from moa_core.protocol import ROW_DTYPES, sampling_problem
 from edge_client.runtime import PROVIDER_ALIASES, choose_providers
 from moa_core.tree import TreeConfig
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the edge's draft sampling")
     g.add_argument("--tree", type=parse_tree, default="auto", help="draft tree 'depth,topk,total' or 'auto' (the "
                    "budget the bundle's acceptance was measured with, cut to the server's limit) (default: auto)")
+    g.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, metavar="N", help="greedy: trees also verify up to "
+                   "N tokens copied from where the text's last tokens occurred before; 0 = off (default: %(default)s)")
     n = p.add_argument_group("link")
     n.add_argument("--on-reconnect", choices=POLICIES, default="keep", help="after an offline stretch the server "
                    "keeps the offline tokens, or verifies them and the edge rewinds to the first disagreement "
@@ -198,7 +201,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--offline-for needs --disconnect-after")
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--threads", args.threads, 1),
                              ("--disconnect-after", args.disconnect_after, 0), ("--offline-for", args.offline_for, 0),
-                             ("--resync-wait", args.resync_wait, 0), ("--top-k", args.top_k, 0)):
+                             ("--resync-wait", args.resync_wait, 0), ("--top-k", args.top_k, 0),
+                             ("--copy-tokens", args.copy_tokens, 0)):
         if value is not None and value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
     if not args.timeout > 0:
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         with EdgeSession(args.bundle, args.server, args.token, args.mode, args.tree, args.on_reconnect,
                          args.row_dtype, args.timeout, providers=args.providers, threads=args.threads,
                          resync_wait_s=args.resync_wait, cafile=args.ca_file, offline_guard=offline_guard(args),
-                         offline_temperature=args.offline_temperature) as session:
+                         offline_temperature=args.offline_temperature, copy_tokens=args.copy_tokens) as session:
             if args.prompt is not None:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
                 results = [reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)]

@@ -324,6 +324,8 @@ class EdgeSession:
     Modes: `speculative` (draft on the edge, verify on the server), `api` (the server generates and streams: the
     baseline), `offline` (never connects; the drafter alone, without target memory). The constructor connects
     and fails with a clear error on a wrong token, a bundle that does not fit the server, or no server at all.
+    `copy_tokens` > 0: greedy trees also verify up to that many tokens copied from where the transcript's last
+    tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree).
     """
 
     def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,
@@ -331,7 +333,10 @@ class EdgeSession:
                  on_reconnect: str = "keep", row_dtype: str = "fp16", timeout_s: float = 15.0,
                  backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None,
                  resync_wait_s: float = 30.0, cafile: str | None = None,
-                 offline_guard: OfflineGuard | None = OfflineGuard(), offline_temperature: float | None = None):
+                 offline_guard: OfflineGuard | None = OfflineGuard(), offline_temperature: float | None = None,
+                 copy_tokens: int = 0):
+        if copy_tokens < 0:
+            raise ValueError(f"copy_tokens must be >= 0, got {copy_tokens}")
         for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),
                                      ("row_dtype", row_dtype, P.ROW_DTYPES)):
             if value not in allowed:
@@ -371,6 +376,9 @@ class EdgeSession:
             if mode == "speculative":  # api mode never drafts: no budget to fit
                 self.tree, self.tree_note, self.choice = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
                 self.core.tree = self.tree
+                # a copy chain grafted onto the tree keeps the verify within the server's limit
+                room = self._link.welcome["limits"]["max_tree_tokens"] - 1 - self.tree.total_tokens
+                self.core.copy_tokens = max(0, min(copy_tokens, room))
                 # a switch to the server alone lasts a whole generation: probe speculation again rarely
                 self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
                 self._paid = self.pacer.pays if self.pacer else True  # the verdict last reported

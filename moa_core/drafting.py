@@ -18,7 +18,7 @@ from typing import Iterable, Protocol
 import numpy as np
 
 from moa_core.lookup import MAX_NGRAM, MIN_NGRAM, find_continuation
-from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, topk_logprobs
+from moa_core.tree import ROOT, DraftTree, TreeConfig, build_tree, graft, topk_logprobs
 
 NEG_INF = np.float32(-np.inf)
 
@@ -169,8 +169,9 @@ class DraftSession:
         return logits[-1:], feats[-1:]
 
     def draft(self, root: int, cfg: TreeConfig, temperature: float = 0.0,
-              rng: np.random.Generator | None = None) -> DraftTree:
-        """Draft a tree below `root` (the target's next token, at position len(tokens))."""
+              rng: np.random.Generator | None = None, copy: list[int] | None = None) -> DraftTree:
+        """Draft a tree below `root` (the target's next token, at position len(tokens)); greedy decoding can add a
+        `copy` chain (prompt lookup's proposal, `moa_core.lookup.copy_chain`) to it."""
         base = len(self.tokens)  # the root's position
         self._tree_slots, self._tree_features = {}, {}
 
@@ -186,7 +187,12 @@ class DraftSession:
             ids, logq = topk_logprobs(logits, self.candidates, temperature)
             return self._vocab_ids(ids), logq
 
-        return build_tree(expand, cfg, sample=temperature > 0, rng=rng)
+        tree = build_tree(expand, cfg, sample=temperature > 0, rng=rng)
+        if copy:
+            if temperature > 0:
+                raise ValueError("a copy chain is for greedy decoding: it has no draft distribution to sample with")
+            tree = graft(tree, copy)
+        return tree
 
     def _vocab_ids(self, index: np.ndarray) -> np.ndarray:
         """Logit columns -> target-vocabulary ids (they differ under a reduced draft vocabulary)."""
@@ -218,7 +224,7 @@ class DraftSession:
         if self.step.keeps_draft_cache:
             for node in path:
                 slot = self._tree_slots.get(int(tree.origin[node]))
-                if slot is None:
+                if slot is None:  # a copied node: it and what follows are run with the next root
                     break
                 keep.append(slot)
         self._keep(keep)

@@ -138,6 +138,32 @@ def _subtree(keep, tokens, parents, depths, cand) -> DraftTree:
     )
 
 
+def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """`tree` with the token chain `chain` below the root: the chain follows the tree's nodes as far as their
+    tokens match and continues as new nodes from there. For greedy verification only: a new node has no draft
+    distribution (its q rows stay 0) and no drafter cache slot (origin -1)."""
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    node, added = ROOT, 0
+    for token in chain:
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1 if node != ROOT else 1)
+            child, added = len(tokens) - 1, added + 1
+        node = child
+    origin = tree.origin if tree.origin is not None else np.arange(len(tree), dtype=np.int64)
+    pad = np.zeros((added, tree.q_ids.shape[1]), dtype=np.int64)
+    return DraftTree(
+        tokens=np.array(tokens, dtype=np.int64),
+        parents=np.array(parents, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
+        q_ids=np.concatenate([tree.q_ids, pad]),
+        q_probs=np.concatenate([tree.q_probs, pad.astype(np.float32)]),
+        origin=np.concatenate([origin, np.full(added, -1, dtype=np.int64)]),
+    )
+
+
 def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
     """bool (n, n): [i, j] is True when j is i itself or an ancestor of i (parents precede children)."""
     n = len(parents)

@@ -19,8 +19,10 @@ import torch
 from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft, prior_s
 from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import Prompt, StopRule, encode_prompt
+from moa_core.lookup import copy_chain
 from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
+from models.lookup import chain_tree
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
 
@@ -70,6 +72,7 @@ class GenerationStats:
     total_s: float = 0.0
     tree: str = ""
     plain_rounds: int = 0  # rounds decoded plainly because speculation did not pay (tree auto)
+    copy_rounds: int = 0  # rounds with a copy chain (copy_tokens): the drafter's tree and the chain, or the chain
     predicted_s: float | None = None  # what the forecast predicted before the generation (for its new_tokens)
 
     @property
@@ -110,11 +113,15 @@ class SpeculativeEngine:
     target forward per token), tries a speculative round again now and then, and says when the verdict changes.
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
-    it (`predicted_s`)."""
+    it (`predicted_s`).
+    `copy_tokens` > 0 (greedy decoding with a neural drafter): when the transcript's last tokens occurred before,
+    the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted onto the
+    drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the match,
+    so the Pacer judges the drafter on the other rounds only."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
-                 batcher=None):
+                 batcher=None, copy_tokens: int = 0):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
         `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
         Runtime graph); the drafter's memory head computes the memory rows either way. `batcher`
@@ -130,6 +137,9 @@ class SpeculativeEngine:
         self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.step = draft_step or self.memory_head
         self.candidates = candidates
+        if copy_tokens < 0 or (copy_tokens and self.drafter is None):
+            raise ValueError(f"copy_tokens must be >= 0, and needs a neural drafter (got {copy_tokens})")
+        self.copy_tokens = copy_tokens
         if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
         self._costs: Costs | None = None
@@ -227,16 +237,22 @@ class SpeculativeEngine:
         while reason is None:
             t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
+            copy = copy_chain(ids + out + [root], self.copy_tokens) if sampling.greedy else []
+            stats.copy_rounds += bool(copy)
             if speculate:
                 if session is not None and behind:
                     self._catch_up(session, behind)
-                new, root, size = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats)
+                new, root, size = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats,
+                                                          copy)
+            elif copy:  # the copy alone: the drafter's session catches up later, as after plain rounds
+                new, root, step = self._copy_round(runner, root, copy, stats)
+                behind.append((new, step))
             else:
                 new, root, step = self._vanilla_round(runner, root, sampling, g, stats)
                 if session is not None:
                     behind.append((new, step))
                 stats.plain_rounds += self.tree is not None
-            if self.pacer is not None:
+            if self.pacer is not None and not copy:
                 predicted = (self.costs.round_target_s(context, size, len(new)) if speculate
                              else self.costs.decode(context))
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
@@ -269,6 +285,13 @@ class SpeculativeEngine:
         stats.target_forwards += 1
         return [root], sample_token(step.logits[-1], sampling, g), step
 
+    def _copy_round(self, runner: TargetRunner, root: int, copy: list[int], stats) -> tuple[list[int], int, TargetStep]:
+        t = time.perf_counter()
+        verified = verify_tree(runner, root, chain_tree(copy))
+        stats.verify_s += time.perf_counter() - t
+        stats.target_forwards += 1
+        return [root] + verified.accepted, verified.next_token, verified.step
+
     def _catch_up(self, session: DraftSession, behind: list[tuple[list[int], TargetStep]]) -> None:
         """Give the drafter's session the tokens verified without it (the prompt, plainly decoded ones) and their
         memory rows, computed in one call."""
@@ -280,14 +303,14 @@ class SpeculativeEngine:
         behind.clear()
 
     def _speculative_round(self, runner, session: DraftSession | None, context: list[int], root: int, sampling, g,
-                           rng, stats):
-        """Draft (with the drafter's session, or the proposer from `context` + root), verify, keep the path: the
-        new tokens, the next root and the number of tokens verified."""
+                           rng, stats, copy: list[int]):
+        """Draft (with the drafter's session and the `copy` chain, or the proposer from `context` + root), verify,
+        keep the path: the new tokens, the next root and the number of tokens verified."""
         t = time.perf_counter()
         if session is None:
             tree: DraftTree = self.proposer.propose(context + [root], self.tree)
         else:
-            tree = session.draft(root, self.tree, sampling.temperature, rng)
+            tree = session.draft(root, self.tree, sampling.temperature, rng, copy)
         t1 = time.perf_counter()
         verified = verify_tree(runner, root, tree, sampling, g)
         if session is not None:

@@ -14,6 +14,8 @@ import contextlib
 import json
 import sys
 
+from moa_core.lookup import COPY_TOKENS
+
 DRAFTERS = ("moa", "eagle", "lookup", "none")
 QUANTIZE = ("none", "int8")  # models.target.QUANTIZE, without importing torch before --help
 QUANTIZE_HELP = "target Linear layers: none (as loaded, the default) or int8 (CPU; about 2x faster, see the README)"
@@ -26,6 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter", default="moa", help=f"{' | '.join(DRAFTERS)} or a drafter directory")
     p.add_argument("--target", default="default", help="target alias, Hugging Face id or path")
     p.add_argument("--tree", default="auto", help="auto (cost model) or depth,topk,total_tokens")
+    p.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, help="greedy, with moa or eagle: also verify up "
+                   "to N tokens copied from where the text's last tokens occurred before; 0 = off (default: "
+                   "%(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the answer (tree auto reports its choice)
             name = args.drafter
             drafter = None if name == "none" else name if name == "lookup" else load_drafter(name, target)
-            engine = SpeculativeEngine(target, drafter, tree=args.tree)
+            neural = drafter is not None and drafter != "lookup"
+            engine = SpeculativeEngine(target, drafter, tree=args.tree, copy_tokens=args.copy_tokens if neural else 0)
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     streamer = None if args.json else lambda text: print(text, end="", flush=True)

@@ -76,9 +76,9 @@ class CoreClient:
     `session_id` is the connection's own session (from its welcome); `client` may be replaced by a new connection."""
 
     def __init__(self, client, session_id: str, step: DraftStep, row_width: int, tree: TreeConfig,
-                 temperature: float = 0.0, seed: int = 0, seq: int = 0, policy: str = "keep"):
+                 temperature: float = 0.0, seed: int = 0, seq: int = 0, policy: str = "keep", copy_tokens: int = 0):
         self.client, self.link_session = client, session_id
-        self.core = EdgeCore(step, row_width, tree, policy, session_id=session_id, seq=seq)
+        self.core = EdgeCore(step, row_width, tree, policy, session_id=session_id, seq=seq, copy_tokens=copy_tokens)
         self.sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0}
         self.rng = np.random.default_rng(seed)
         self.stats = Stats("speculative")  # over every generation of this client

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree
+from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree, graft
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.verify import Sampling, tree_mask_and_positions
 from tests.helpers import chi_square_p, first_two, greedy_continuations, joint_first_two, train_tiny
@@ -68,6 +68,45 @@ def test_greedy_is_lossless(tiny, drafters, arch, tree):
         forwards[0] += a.stats.target_forwards
         forwards[1] += b.stats.target_forwards
     assert forwards[1] < 0.6 * forwards[0], forwards  # the drafter really gets paths accepted
+
+
+def test_graft_follows_the_tree_then_adds_a_chain():
+    q = np.ones((4, 2), np.int64)
+    tree = DraftTree(np.array([5, 6, 7]), np.array([-1, -1, 0]), np.array([1, 1, 2]), q, q.astype(np.float32),
+                     origin=np.array([0, 2, 4]))
+    out = graft(tree, [5, 7, 8, 9])  # 5 and 7 are nodes 0 and 2, 8 and 9 are new below node 2
+    assert out.tokens.tolist() == [5, 6, 7, 8, 9] and out.parents.tolist() == [-1, -1, 0, 2, 3]
+    assert out.depths.tolist() == [1, 1, 2, 3, 4] and out.origin.tolist() == [0, 2, 4, -1, -1]
+    assert out.q_ids.shape == (6, 2) and not out.q_probs[4:].any()  # no draft distribution below copied nodes
+    assert graft(tree, [6]).tokens.tolist() == [5, 6, 7]  # already in the tree: nothing added
+    assert graft(tree, [1, 2]).parents.tolist() == [-1, -1, 0, -1, 3]  # a new branch at the root
+
+
+@pytest.mark.parametrize("arch", ["moa", "eagle"])
+def test_copy_chains_are_lossless(tiny, drafters, arch):
+    """Copy chains grafted onto the drafter's tree, and alone in rounds the Pacer decodes plainly."""
+    vanilla = SpeculativeEngine(tiny, None)
+    grafted = SpeculativeEngine(tiny, drafters[arch], tree="4,2,8", copy_tokens=8)
+    alone = SpeculativeEngine(tiny, drafters[arch], tree="auto", copy_tokens=8)
+    for _ in range(10):  # the drafter does not pay: plain rounds, and copy rounds where the text repeats
+        alone.pacer.observe(True, 1, 1.0)
+    copied = [0, 0]
+    for sample in greedy_continuations(tiny, 3, seed=0) + greedy_continuations(tiny, 2, seed=7):
+        prompt = sample.ids[:6]
+        want = vanilla.generate(prompt, max_new_tokens=40).token_ids
+        for i, engine in enumerate((grafted, alone)):
+            out = engine.generate(prompt, max_new_tokens=40)
+            assert out.token_ids == want
+            copied[i] += out.stats.copy_rounds
+    assert min(copied) > 0, copied  # the tiny target's text repeats: chains were really verified
+    with pytest.raises(ValueError, match="neural drafter"):
+        SpeculativeEngine(tiny, None, copy_tokens=4)
+    with pytest.raises(ValueError, match="greedy"):
+        from moa_core.drafting import DraftSession
+
+        session = DraftSession(TorchDraftStep(drafters[arch]))
+        session.add_verified([3, 4], np.zeros((2, drafters[arch].row_width), np.float32))
+        session.draft(5, TreeConfig(2, 1, 2), temperature=1.0, rng=np.random.default_rng(0), copy=[6])
 
 
 def test_int8_target_is_batch_invariant_and_greedy_lossless():
