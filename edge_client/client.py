@@ -49,6 +49,7 @@ from moa_core import protocol as P
 from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft, prior_s
 from moa_core.drafting import OfflineGuard
 from moa_core.generation import Prompt, StopRule, encode_prompt
+from moa_core.lookup import COPY_TOKENS
 from moa_core.paths import cache_dir
 from moa_core.tree import TreeConfig
 
@@ -324,7 +325,7 @@ class EdgeSession:
     Modes: `speculative` (draft on the edge, verify on the server), `api` (the server generates and streams: the
     baseline), `offline` (never connects; the drafter alone, without target memory). The constructor connects
     and fails with a clear error on a wrong token, a bundle that does not fit the server, or no server at all.
-    `copy_tokens` > 0: greedy trees also verify up to that many tokens copied from where the transcript's last
+    `copy_tokens` > 0 (0 = off): greedy trees also verify up to that many tokens copied from where the transcript's last
     tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree).
     """
 
@@ -334,7 +335,7 @@ class EdgeSession:
                  backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None,
                  resync_wait_s: float = 30.0, cafile: str | None = None,
                  offline_guard: OfflineGuard | None = OfflineGuard(), offline_temperature: float | None = None,
-                 copy_tokens: int = 0):
+                 copy_tokens: int = COPY_TOKENS):
         if copy_tokens < 0:
             raise ValueError(f"copy_tokens must be >= 0, got {copy_tokens}")
         for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),

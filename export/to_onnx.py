@@ -205,7 +205,7 @@ def acceptance(target: Target, drafter: Drafter, ort_step: OrtDraftStep, prompts
     """Mean acceptance length tau of greedy speculative decoding, ORT draft step against the torch one."""
     taus = {}
     for name, step in {"torch": None, "ort": ort_step}.items():
-        engine = SpeculativeEngine(target, drafter, tree=tree, draft_step=step)
+        engine = SpeculativeEngine(target, drafter, tree=tree, draft_step=step, copy_tokens=0)  # the drafter alone
         lengths = [n for p in prompts
                    for n in engine.generate(p, max_new_tokens=max_new_tokens).stats.acceptance_lengths]
         taus[name] = float(np.mean(lengths))

@@ -19,7 +19,7 @@ import torch
 from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft, prior_s
 from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import Prompt, StopRule, encode_prompt
-from moa_core.lookup import copy_chain
+from moa_core.lookup import COPY_TOKENS, copy_chain
 from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
 from models.lookup import chain_tree
@@ -114,14 +114,14 @@ class SpeculativeEngine:
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
     it (`predicted_s`).
-    `copy_tokens` > 0 (greedy decoding with a neural drafter): when the transcript's last tokens occurred before,
-    the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted onto the
+    `copy_tokens` > 0 (greedy decoding with a neural drafter; 0 = off): when the transcript's last tokens occurred
+    before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted onto the
     drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the match,
     so the Pacer judges the drafter on the other rounds only."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
-                 batcher=None, copy_tokens: int = 0):
+                 batcher=None, copy_tokens: int = COPY_TOKENS):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
         `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
         Runtime graph); the drafter's memory head computes the memory rows either way. `batcher`
@@ -137,9 +137,9 @@ class SpeculativeEngine:
         self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.step = draft_step or self.memory_head
         self.candidates = candidates
-        if copy_tokens < 0 or (copy_tokens and self.drafter is None):
-            raise ValueError(f"copy_tokens must be >= 0, and needs a neural drafter (got {copy_tokens})")
-        self.copy_tokens = copy_tokens
+        if copy_tokens < 0:
+            raise ValueError(f"copy_tokens must be >= 0, got {copy_tokens}")
+        self.copy_tokens = copy_tokens if self.drafter is not None else 0  # vanilla and prompt lookup stay as they are
         if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
         self._costs: Costs | None = None

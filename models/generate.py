@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the answer (tree auto reports its choice)
             name = args.drafter
             drafter = None if name == "none" else name if name == "lookup" else load_drafter(name, target)
-            neural = drafter is not None and drafter != "lookup"
-            engine = SpeculativeEngine(target, drafter, tree=args.tree, copy_tokens=args.copy_tokens if neural else 0)
+            engine = SpeculativeEngine(target, drafter, tree=args.tree, copy_tokens=args.copy_tokens)
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     streamer = None if args.json else lambda text: print(text, end="", flush=True)

@@ -99,8 +99,9 @@ def test_copy_chains_are_lossless(tiny, drafters, arch):
             assert out.token_ids == want
             copied[i] += out.stats.copy_rounds
     assert min(copied) > 0, copied  # the tiny target's text repeats: chains were really verified
-    with pytest.raises(ValueError, match="neural drafter"):
-        SpeculativeEngine(tiny, None, copy_tokens=4)
+    with pytest.raises(ValueError, match="copy_tokens must be >= 0"):
+        SpeculativeEngine(tiny, drafters[arch], copy_tokens=-1)
+    assert SpeculativeEngine(tiny, None).copy_tokens == 0  # vanilla stays vanilla
     with pytest.raises(ValueError, match="greedy"):
         from moa_core.drafting import DraftSession
 
@@ -186,7 +187,8 @@ def test_each_generation_is_predicted_before_it_runs(tiny, drafters):
 
 
 def test_engine_decodes_plainly_while_speculation_does_not_pay(tiny, drafters, caplog):
-    vanilla, spec = SpeculativeEngine(tiny, None), SpeculativeEngine(tiny, drafters["moa"], tree="auto")
+    vanilla = SpeculativeEngine(tiny, None)
+    spec = SpeculativeEngine(tiny, drafters["moa"], tree="auto", copy_tokens=0)  # the drafter's rounds alone
     prompt = greedy_continuations(tiny, 1, seed=3)[0].ids[:6]
     want = vanilla.generate(prompt, max_new_tokens=30).token_ids
     assert spec.predict_s(len(prompt), 30) > 0 and spec.choice is not None
