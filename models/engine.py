@@ -115,9 +115,9 @@ class SpeculativeEngine:
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
     it (`predicted_s`).
     `copy_tokens` > 0 (greedy decoding with a neural drafter; 0 = off): when the transcript's last tokens occurred
-    before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted onto the
-    drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the match,
-    so the Pacer judges the drafter on the other rounds only."""
+    before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted
+    onto the drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the
+    match, so the Pacer judges the drafter on the other rounds only."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,

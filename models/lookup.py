@@ -60,9 +60,9 @@ def copy_statistics(samples: list[Encoded], copy_tokens: int = COPY_TOKENS, firs
             right = s.ids[i + 1 : i + 1 + len(proposal)]
             accepted[n].append(next((k for k, (a, b) in enumerate(zip(proposal, right)) if a != b), len(right)))
     total = sum(len(v) for v in accepted.values())
-    return {"positions": total, "copy_tokens": copy_tokens, "first": first, "by_match": {
-        n: {"share": len(v) / total, "mean_accepted": float(np.mean(v)), "at_least_one": float(np.mean(np.array(v) > 0))}
-        for n, v in accepted.items() if v}}
+    figures = {n: {"share": len(v) / total, "mean_accepted": float(np.mean(v)),
+                   "at_least_one": float(np.mean(np.array(v) > 0))} for n, v in accepted.items() if v}
+    return {"positions": total, "copy_tokens": copy_tokens, "first": first, "by_match": figures}
 
 
 def main(argv: list[str] | None = None) -> None:
