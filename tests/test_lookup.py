@@ -81,3 +81,16 @@ def test_generate_cli(tmp_path, capsys):
     main(["hello", "--drafter", "none", "--target", "tiny", "--dtype", "float64", "--max-new-tokens", "8"])
     captured = capsys.readouterr()
     assert "tokens/s" in captured.err and captured.out.endswith("\n")
+
+
+def test_copy_statistics_by_match_length():
+    from models.data import Encoded
+    from models.lookup import copy_statistics
+
+    sample = Encoded("a", [5, 1, 2, 3, 9, 1, 2, 3, 7], [0, 0, 0, 0, 0, 1, 1, 1, 1])
+    stats = copy_statistics([sample], copy_tokens=4)
+    # root 1 (a 1-gram match) proposes 2 3 9 1: 2 right; root 2 ([1 2]) proposes 3 9 1 2: 1; root 3 ([1 2 3]): 0
+    assert stats["positions"] == 3
+    assert {n: f["mean_accepted"] for n, f in stats["by_match"].items()} == {1: 2.0, 2: 1.0, 3: 0.0}
+    assert stats["by_match"][2]["at_least_one"] == 1.0 and stats["by_match"][3]["at_least_one"] == 0.0
+    assert copy_statistics([sample], copy_tokens=4, first=1)["positions"] == 1
