@@ -23,9 +23,9 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from bench.prompts import Prompt
-from moa_core.lookup import COPY_TOKENS
 from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
 from edge_client.client import EdgeSession, default_bundle
+from moa_core.lookup import COPY_TOKENS
 from server.process import ServerProcess
 
 METHODS = ("api", "eagle", "moa", "eagle+copy", "moa+copy")  # +copy: with copy chains

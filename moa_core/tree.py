@@ -139,9 +139,10 @@ def _subtree(keep, tokens, parents, depths, cand) -> DraftTree:
 
 
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
-    """`tree` with the token chain `chain` below the root: the chain follows the tree's nodes as far as their
-    tokens match and continues as new nodes from there. For greedy verification only: a new node has no draft
-    distribution (its q rows stay 0) and no drafter cache slot (origin -1)."""
+    """The drafted `tree` (`build_tree`'s, with its origin) with the token chain `chain` below the root: the chain
+    follows the tree's nodes as far as their tokens match and continues as new nodes from there. For greedy
+    verification only: a new node has no draft distribution (its q rows stay 0) and no drafter cache slot (origin
+    -1)."""
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     node, added = ROOT, 0
     for token in chain:
@@ -152,7 +153,6 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
             depths.append(depths[node] + 1 if node != ROOT else 1)
             child, added = len(tokens) - 1, added + 1
         node = child
-    origin = tree.origin if tree.origin is not None else np.arange(len(tree), dtype=np.int64)
     pad = np.zeros((added, tree.q_ids.shape[1]), dtype=np.int64)
     return DraftTree(
         tokens=np.array(tokens, dtype=np.int64),
@@ -160,7 +160,7 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
         depths=np.array(depths, dtype=np.int64),
         q_ids=np.concatenate([tree.q_ids, pad]),
         q_probs=np.concatenate([tree.q_probs, pad.astype(np.float32)]),
-        origin=np.concatenate([origin, np.full(added, -1, dtype=np.int64)]),
+        origin=np.concatenate([tree.origin, np.full(added, -1, dtype=np.int64)]),
     )
 
 

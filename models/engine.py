@@ -237,7 +237,7 @@ class SpeculativeEngine:
         while reason is None:
             t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
-            copy = copy_chain(ids + out + [root], self.copy_tokens) if sampling.greedy else []
+            copy = copy_chain(ids + out + [root], self.copy_tokens) if self.copy_tokens and sampling.greedy else []
             stats.copy_rounds += bool(copy)
             if speculate:
                 if session is not None and behind:
