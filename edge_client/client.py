@@ -325,8 +325,9 @@ class EdgeSession:
     Modes: `speculative` (draft on the edge, verify on the server), `api` (the server generates and streams: the
     baseline), `offline` (never connects; the drafter alone, without target memory). The constructor connects
     and fails with a clear error on a wrong token, a bundle that does not fit the server, or no server at all.
-    `copy_tokens` > 0 (0 = off): greedy trees also verify up to that many tokens copied from where the transcript's
-    last tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree).
+    `copy_tokens` > 0 (0 = off): trees also verify up to that many tokens copied from where the transcript's
+    last tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree; sampling tries it first,
+    as a one-hot proposal, and stays lossless).
     """
 
     def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,

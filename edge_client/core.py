@@ -110,8 +110,8 @@ class EdgeCore:
     def __init__(self, step: DraftStep, row_width: int, tree: TreeConfig, policy: str = "keep",
                  session_id: str | None = None, seq: int = 0, copy_tokens: int = 0):
         """`policy` (one of POLICIES): what a resume does with offline tokens; `seq` the last one used;
-        `copy_tokens`: greedy trees also verify up to that many tokens copied from where the transcript's last
-        tokens occurred before (`moa_core.lookup.copy_chain`)."""
+        `copy_tokens`: trees also verify up to that many tokens copied from where the transcript's last tokens
+        occurred before (`moa_core.lookup.copy_chain`)."""
         self.step, self.row_width, self.tree, self.policy = step, row_width, tree, policy
         self.copy_tokens = copy_tokens
         self.session_id, self.seq = session_id, seq
@@ -192,8 +192,8 @@ class EdgeCore:
     def verify_request(self, rng: np.random.Generator | None = None) -> Request:
         """Draft a tree below the pending root and ask the server to verify it (the seq is used up)."""
         assert self.state is State.ONLINE and self._sent is None
-        root, greedy = self.tokens[-1], self.sampling["temperature"] <= 0
-        copy = copy_chain(self.tokens, self.copy_tokens) if greedy else []
+        root = self.tokens[-1]
+        copy = copy_chain(self.tokens, self.copy_tokens)
         tree = self._draft.draft(root, self.tree, self.sampling["temperature"], rng, copy)
         self.seq += 1
         tensors = P.encode_tree(root, tree, with_q=self.sampling["temperature"] > 0)

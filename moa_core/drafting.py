@@ -170,8 +170,8 @@ class DraftSession:
 
     def draft(self, root: int, cfg: TreeConfig, temperature: float = 0.0,
               rng: np.random.Generator | None = None, copy: list[int] | None = None) -> DraftTree:
-        """Draft a tree below `root` (the target's next token, at position len(tokens)); greedy decoding can add a
-        `copy` chain (prompt lookup's proposal, `moa_core.lookup.copy_chain`) to it."""
+        """Draft a tree below `root` (the target's next token, at position len(tokens)), with the `copy` chain
+        (prompt lookup's proposal, `moa_core.lookup.copy_chain`) grafted onto it."""
         base = len(self.tokens)  # the root's position
         self._tree_slots, self._tree_features = {}, {}
 
@@ -189,8 +189,6 @@ class DraftSession:
 
         tree = build_tree(expand, cfg, sample=temperature > 0, rng=rng)
         if copy:
-            if temperature > 0:
-                raise ValueError("a copy chain is for greedy decoding: it has no draft distribution to sample with")
             tree = graft(tree, copy)
         return tree
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
 
-from moa_core.tree import DraftTree
+from moa_core.tree import DraftTree, check_sources
 
 MAGIC = b"MOA1"
 PROTOCOL_VERSION = 1
@@ -139,7 +139,7 @@ _ROWS: dict[str, TensorSpec] = {"rows": (("float16", "int8"), (2,)), "row_scale?
 _SAMPLING: dict[str, FieldKind] = {"temperature": "number", "top_p": "number", "top_k": "int"}
 _SAMPLING_OPT: dict[str, FieldKind] = {f"{k}?": v for k, v in _SAMPLING.items()}
 _TREE: dict[str, TensorSpec] = {**_TOKENS, "parents": (("int32",), (1,)), "q_ids?": (("int32",), (2,)),
-                                "q_probs?": (("float16", "float32"), (2,))}
+                                "q_probs?": (("float16", "float32"), (2,)), "sources?": (("uint8",), (1,))}
 
 SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     HELLO: {"fields": {"fingerprint": "str", "client": "str", "row_dtype": ROW_DTYPES, "auth?": "str"},
@@ -406,13 +406,16 @@ def check_vocab(ids: np.ndarray, vocab_size: int, what: str = "tokens") -> None:
 def encode_tree(root: int, tree: DraftTree, with_q: bool = False, q_dtype: str = "float32") -> dict[str, np.ndarray]:
     """The `verify` tensors of root + tree: wire index 0 is the root, wire index i+1 is tree node i.
 
-    `with_q` adds the draft distributions (needed when sampling); float32 keeps the rejection sampling exact.
+    `with_q` adds the draft distributions (needed when sampling; float32 keeps the rejection sampling exact) and,
+    for a tree with a copy chain, which nodes were drawn and which copied (`sources`, the root's entry 0).
     """
     tensors = {"tokens": np.concatenate([[root], tree.tokens]).astype(np.int32),
                "parents": np.concatenate([[-1], np.asarray(tree.parents) + 1]).astype(np.int32)}
     if with_q:
         tensors["q_ids"] = tree.q_ids.astype(np.int32)
         tensors["q_probs"] = tree.q_probs.astype(q_dtype)
+        if tree.sources is not None:
+            tensors["sources"] = np.concatenate([[0], tree.sources]).astype(np.uint8)
     return tensors
 
 
@@ -420,7 +423,8 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
                 need_q: bool) -> tuple[int, DraftTree]:
     """Check the `verify` tensors (validated dtypes) and rebuild (root, DraftTree); inverse of encode_tree.
 
-    Raises ProtocolError: bad_tree (shapes, parents, q), out_of_vocab, limit (more than max_tokens tokens).
+    Raises ProtocolError: bad_tree (shapes, parents, q, sources), out_of_vocab, limit (more than max_tokens
+    tokens).
     """
     tokens, parents = tensors["tokens"].astype(np.int64), tensors["parents"].astype(np.int64)
     n = len(tokens)
@@ -452,8 +456,17 @@ def decode_tree(tensors: dict[str, np.ndarray], vocab_size: int, max_tokens: int
         q_probs = q_probs.astype(np.float32)
         if not np.isfinite(q_probs).all() or (q_probs < 0).any() or (q_probs.sum(1) > 1.01).any():
             raise ProtocolError("q_probs must be finite, >= 0 and sum to at most 1 per row", E_BAD_TREE)
+    sources = tensors.get("sources")
+    if sources is not None:
+        if sources.shape != tokens.shape or sources[0] != 0:
+            raise ProtocolError(f"sources {list(sources.shape)} must be [{n}] with 0 for the root", E_BAD_TREE)
+        sources = sources[1:]
+        try:
+            check_sources(parents[1:] - 1, sources)
+        except ValueError as e:
+            raise ProtocolError(str(e), E_BAD_TREE) from None
     tree = DraftTree(tokens=tokens[1:], parents=parents[1:] - 1, depths=depths[1:], q_ids=q_ids.astype(np.int64),
-                     q_probs=q_probs.astype(np.float32))
+                     q_probs=q_probs.astype(np.float32), sources=sources)
     return int(tokens[0]), tree
 
 

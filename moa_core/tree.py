@@ -6,6 +6,8 @@ cumulative log-probability are run through the drafter in one call, each propose
 all nodes are reranked and the best `total_tokens` kept (a child never scores above its parent, so the kept
 set is a subtree). Greedy decoding takes each node's top-k children; sampling draws them without replacement
 from the drafter's (top-K truncated) distribution q, and the verifier needs q: `DraftTree.q_ids/q_probs`.
+`graft` adds a copy chain (prompt lookup's proposal) below the root; `DraftTree.sources` tells the verifier which
+nodes were drawn from q and which are on the chain.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 ROOT = -1
 NEG_INF = np.float32(-np.inf)
+DRAFTED, COPIED = 1, 2  # DraftTree.sources flags: drawn from the parent's q; on the copy chain (a node can be both)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class DraftTree:
     q_ids: np.ndarray  # int64 (n+1, K): candidates of the draft distribution at the root (row 0) and each node
     q_probs: np.ndarray  # float32 (n+1, K): q over those candidates (renormalised), 0 where unused
     origin: np.ndarray | None = None  # int64 (n,): each node's index in the drafting pool (drafter cache slots)
+    sources: np.ndarray | None = None  # uint8 (n,): DRAFTED | COPIED flags; None: every node DRAFTED
+
+    def __post_init__(self):
+        if self.sources is not None:
+            check_sources(self.parents, self.sources)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,6 +67,28 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         """Children of `node` (-1 = root) in the order they were drawn."""
         return [i for i, p in enumerate(self.parents) if p == node]
+
+    def drawn_children(self, node: int) -> list[int]:
+        """The children of `node` drawn from its draft distribution q, in the order they were drawn."""
+        return [i for i in self.children(node) if self.sources is None or self.sources[i] & DRAFTED]
+
+    def copied_child(self, node: int) -> int | None:
+        """The child of `node` on the copy chain, if any."""
+        if self.sources is None:
+            return None
+        return next((i for i in self.children(node) if self.sources[i] & COPIED), None)
+
+
+def check_sources(parents: np.ndarray, sources: np.ndarray) -> None:
+    """Raise ValueError unless `sources` flags every node DRAFTED, COPIED or both, and the COPIED nodes form one
+    path down from the root."""
+    if sources.shape != parents.shape:
+        raise ValueError(f"sources {list(sources.shape)} must be [{len(parents)}], one flag set per node")
+    if ((sources == 0) | (sources > (DRAFTED | COPIED))).any():
+        raise ValueError(f"sources must be {DRAFTED} (drafted), {COPIED} (copied) or {DRAFTED | COPIED} (both)")
+    chain = np.flatnonzero(sources & COPIED)
+    if len(chain) and not (parents[chain] == np.concatenate([[ROOT], chain[:-1]])).all():
+        raise ValueError("the copied nodes must form one path down from the root")
 
 
 class Expand(Protocol):
@@ -140,11 +170,12 @@ def _subtree(keep, tokens, parents, depths, cand) -> DraftTree:
 
 def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
     """The drafted `tree` (`build_tree`'s, with its origin) with the token chain `chain` below the root: the chain
-    follows the tree's nodes as far as their tokens match and continues as new nodes from there. For greedy
-    verification only: a new node has no draft distribution (its q rows stay 0) and no drafter cache slot (origin
-    -1)."""
+    follows the tree's nodes as far as their tokens match and continues as new nodes from there. A new node has
+    no draft distribution (its q row stays 0) and no drafter cache slot (origin -1); `sources` marks the chain, so
+    that sampling tries it as a one-hot proposal before the drawn children (models.verify.accept_sampling)."""
     tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     node, added = ROOT, 0
+    sources = np.full(len(tokens), DRAFTED, dtype=np.uint8)
     for token in chain:
         child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
         if child is None:
@@ -152,6 +183,8 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
             parents.append(node)
             depths.append(depths[node] + 1 if node != ROOT else 1)
             child, added = len(tokens) - 1, added + 1
+            sources = np.append(sources, np.uint8(0))
+        sources[child] |= COPIED
         node = child
     pad = np.zeros((added, tree.q_ids.shape[1]), dtype=np.int64)
     return DraftTree(
@@ -161,6 +194,7 @@ def graft(tree: DraftTree, chain: list[int]) -> DraftTree:
         q_ids=np.concatenate([tree.q_ids, pad]),
         q_probs=np.concatenate([tree.q_probs, pad.astype(np.float32)]),
         origin=np.concatenate([tree.origin, np.full(added, -1, dtype=np.int64)]),
+        sources=sources,
     )
 
 

@@ -114,7 +114,7 @@ class SpeculativeEngine:
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
     it (`predicted_s`).
-    `copy_tokens` > 0 (greedy decoding with a neural drafter; 0 = off): when the transcript's last tokens occurred
+    `copy_tokens` > 0 (with a neural drafter; 0 = off): when the transcript's last tokens occurred
     before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted
     onto the drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the
     match, so the Pacer judges the drafter on the other rounds only."""
@@ -237,7 +237,7 @@ class SpeculativeEngine:
         while reason is None:
             t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
-            copy = copy_chain(ids + out + [root], self.copy_tokens) if self.copy_tokens and sampling.greedy else []
+            copy = copy_chain(ids + out + [root], self.copy_tokens) if self.copy_tokens else []
             stats.copy_rounds += bool(copy)
             if speculate:
                 if session is not None and behind:
@@ -245,7 +245,7 @@ class SpeculativeEngine:
                 new, root, size = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats,
                                                           copy)
             elif copy:  # the copy alone: the drafter's session catches up later, as after plain rounds
-                new, root, step = self._copy_round(runner, root, copy, stats)
+                new, root, step = self._copy_round(runner, root, copy, sampling, g, stats)
                 behind.append((new, step))
             else:
                 new, root, step = self._vanilla_round(runner, root, sampling, g, stats)
@@ -285,9 +285,11 @@ class SpeculativeEngine:
         stats.target_forwards += 1
         return [root], sample_token(step.logits[-1], sampling, g), step
 
-    def _copy_round(self, runner: TargetRunner, root: int, copy: list[int], stats) -> tuple[list[int], int, TargetStep]:
+    def _copy_round(self, runner: TargetRunner, root: int, copy: list[int], sampling, g,
+                    stats) -> tuple[list[int], int, TargetStep]:
+        """Verify the copy chain alone (one-hot draft distributions: sampling accepts a token with probability p)."""
         t = time.perf_counter()
-        verified = verify_tree(runner, root, chain_tree(copy))
+        verified = verify_tree(runner, root, chain_tree(copy), sampling, g)
         stats.verify_s += time.perf_counter() - t
         stats.target_forwards += 1
         return [root] + verified.accepted, verified.next_token, verified.step

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter", default="moa", help=f"{' | '.join(DRAFTERS)} or a drafter directory")
     p.add_argument("--target", default="default", help="target alias, Hugging Face id or path")
     p.add_argument("--tree", default="auto", help="auto (cost model) or depth,topk,total_tokens")
-    p.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, help="greedy, with moa or eagle: also verify up "
+    p.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, help="with moa or eagle: also verify up "
                    "to N tokens copied from where the text's last tokens occurred before; 0 = off (default: "
                    "%(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -90,15 +90,25 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def accept_sampling(logits: RowLogits, tree: DraftTree, s: Sampling, g: torch.Generator) -> tuple[list[int], int]:
-    """Multi-draft rejection sampling down the tree (docs/design.md §5)."""
+    """Multi-draft rejection sampling down the tree (docs/design.md §5). A copied child (`tree.sources`) is tried
+    first, as a proposal from a one-hot q: accepted with probability p(x), else p loses x; then the children drawn
+    from q, each stage taking the target distribution the one before left, so the token keeps p exactly."""
     node, path = -1, []
     while True:
         p = target_probs(logits(node + 1), s)
+        copied = tree.copied_child(node)
+        if copied is not None:
+            x = int(tree.tokens[copied])
+            if torch.rand((), generator=g, dtype=torch.float64) < p[x]:
+                path.append(copied)
+                node = copied
+                continue
+            p = residual(p, torch.nn.functional.one_hot(torch.tensor(x), len(p)).to(p))
         q = torch.zeros_like(p)
         q.index_add_(0, torch.from_numpy(tree.q_ids[node + 1]).to(p.device),
                      torch.from_numpy(tree.q_probs[node + 1]).to(p))
         accepted = None
-        for c in tree.children(node):
+        for c in tree.drawn_children(node):
             x = int(tree.tokens[c])
             if q[x] > 0 and torch.rand((), generator=g, dtype=torch.float64) < torch.clamp(p[x] / q[x], max=1.0):
                 accepted = c

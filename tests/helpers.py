@@ -176,12 +176,13 @@ def joint_first_two(tiny, prompt, root, sampling):
     return joint
 
 
-def first_two(runner, step, prompt, rows, root, sampling, g, rng) -> tuple[int, int]:
-    """One draft-and-verify round after `prompt` (runner cropped back to it): the first two tokens it yields."""
+def first_two(runner, step, prompt, rows, root, sampling, g, rng, copy: list[int] | None = None) -> tuple[int, int]:
+    """One draft-and-verify round after `prompt` (runner cropped back to it), with the `copy` chain grafted on: the
+    first two tokens it yields."""
     runner.crop(len(prompt))
     session = DraftSession(step, candidates=runner.target.spec.vocab_size)
     session.add_verified(prompt, rows)
-    tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng)
+    tree = session.draft(root, TreeConfig(2, 3, 6), sampling.temperature, rng, copy)
     v = verify_tree(runner, root, tree, sampling, g)
     seq = v.accepted + [v.next_token]
     if len(seq) < 2:

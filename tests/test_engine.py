@@ -102,12 +102,13 @@ def test_copy_chains_are_lossless(tiny, drafters, arch):
     with pytest.raises(ValueError, match="copy_tokens must be >= 0"):
         SpeculativeEngine(tiny, drafters[arch], copy_tokens=-1)
     assert SpeculativeEngine(tiny, None).copy_tokens == 0  # vanilla stays vanilla
-    with pytest.raises(ValueError, match="greedy"):
-        from moa_core.drafting import DraftSession
-
-        session = DraftSession(TorchDraftStep(drafters[arch]))
-        session.add_verified([3, 4], np.zeros((2, drafters[arch].row_width), np.float32))
-        session.draft(5, TreeConfig(2, 1, 2), temperature=1.0, rng=np.random.default_rng(0), copy=[6])
+    sampled = [0, 0]  # sampling copies too (its distribution: test_sampling_keeps_the_target_distribution)
+    for i, engine in enumerate((grafted, alone)):
+        for seed in range(3):
+            a, b = (engine.generate([3, 5, 7], max_new_tokens=40, temperature=0.5, seed=seed) for _ in range(2))
+            assert len(a.token_ids) > 0 and (engine is alone or a.token_ids == b.token_ids)  # no Pacer: reproducible
+            sampled[i] += a.stats.copy_rounds
+    assert min(sampled) > 0, sampled
 
 
 def test_int8_target_is_batch_invariant_and_greedy_lossless():
@@ -216,7 +217,7 @@ def test_stop_strings_and_streaming(tiny):
     assert "".join(chunks).startswith(cut.text[:5])
 
 
-def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
+def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual, copy=None):
     import models.verify as verify
 
     step = TorchDraftStep(drafter)
@@ -228,22 +229,25 @@ def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual):
     original = verify.residual
     if residual == "p":  # broken on purpose: p is not updated after a rejection
         verify.residual = lambda p, q: p
+    if residual == "copy":  # broken on purpose: p keeps a rejected copy (a one-hot q)
+        verify.residual = lambda p, q: p if q.max() == 1 else original(p, q)
     runner = tiny.new_runner()
     runner.forward(prompt)
     try:
         for _ in range(n):
-            counts[first_two(runner, step, prompt, rows, root, sampling, g, rng)] += 1
+            counts[first_two(runner, step, prompt, rows, root, sampling, g, rng, copy)] += 1
     finally:
         verify.residual = original
     return counts
 
 
-@pytest.mark.parametrize("sampling,quantize,draft_vocab", [
-    (Sampling(1.0), "none", None), (Sampling(0.8, top_k=8, top_p=0.9), "none", None), (Sampling(1.0), "int8", None),
-    (Sampling(1.0), "none", [0, 2, 3, 6, 7, 9, 11])])
-def test_sampling_keeps_the_target_distribution(sampling, quantize, draft_vocab):
-    """Also on an int8 target, and with a reduced draft vocabulary (q is zero outside it, the residual covers the
-    rest)."""
+@pytest.mark.parametrize("sampling,quantize,draft_vocab,copy", [
+    (Sampling(1.0), "none", None, False), (Sampling(0.8, top_k=8, top_p=0.9), "none", None, False),
+    (Sampling(1.0), "int8", None, False), (Sampling(1.0), "none", [0, 2, 3, 6, 7, 9, 11], False),
+    (Sampling(1.0), "none", None, True)])
+def test_sampling_keeps_the_target_distribution(sampling, quantize, draft_vocab, copy):
+    """Also on an int8 target, with a reduced draft vocabulary (q is zero outside it, the residual covers the
+    rest), and with a copy chain grafted onto the tree (its nodes tried first, as one-hot proposals)."""
     from models.registry import build_drafter
     from models.tiny import tiny_target
 
@@ -255,8 +259,15 @@ def test_sampling_keeps_the_target_distribution(sampling, quantize, draft_vocab)
     drafter.set_draft_vocab(draft_vocab)
     prompt, root, n = [3, 5, 7, 4, 9], 6, 2000  # the broken residual scores p < 1e-100 already
     joint = joint_first_two(tiny, prompt, root, sampling)
-    good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)"), joint, n)
+    chain = None
+    if copy:  # the two most likely tokens: the chain is often right, and shares its first node with the drafted tree
+        first = int(joint.sum(1).argmax())
+        chain = [first, int(joint[first].argmax())]
+    good = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "max(p-q,0)", chain), joint, n)
     assert good > 1e-3, good
+    if copy:
+        broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "copy", chain), joint, n)
+        assert broken < 1e-6, broken
     if quantize == "none":  # the test's power does not depend on the target's weights: shown once per setting
         broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
         assert broken < 1e-6, broken

@@ -112,6 +112,29 @@ def test_tree_codec_round_trip_and_checks():
         assert info.value.code == code
 
 
+def test_tree_codec_carries_a_copy_chain():
+    """A grafted copy chain travels as `sources` when sampling; a bad one is a typed bad_tree error."""
+    from moa_core.tree import COPIED, DRAFTED, DraftTree, graft
+
+    drafted = DraftTree(np.array([4, 5, 6]), np.array([-1, 0, -1]), np.array([1, 2, 1]),
+                        np.arange(8).reshape(4, 2), np.full((4, 2), 0.5, np.float32), origin=np.arange(3))
+    tree = graft(drafted, [4, 7, 8])  # follows node 0 (token 4), then two new nodes
+    assert tree.sources.tolist() == [DRAFTED | COPIED, DRAFTED, DRAFTED, COPIED, COPIED]
+    assert tree.copied_child(-1) == 0 and tree.copied_child(0) == 3 and tree.drawn_children(0) == [1]
+    wire = P.encode_tree(9, tree, with_q=True)
+    assert wire["sources"].tolist() == [0, 3, 1, 1, 2, 2] and "sources" not in P.encode_tree(9, tree)
+    msg = P.decode(P.encode(P.VERIFY, {"session_id": "s", "seq": 1, "temperature": 1, "top_p": 1.0, "top_k": 0},
+                            wire))
+    P.validate(msg)
+    np.testing.assert_array_equal(P.decode_tree(msg.tensors, 10, 8, need_q=True)[1].sources, tree.sources)
+    for sources, says in [([0, 3, 1, 1, 2], r"must be \[6\]"), ([1, 3, 1, 1, 2, 2], "0 for the root"),
+                          ([0, 3, 1, 1, 0, 2], "must be 1"), ([0, 3, 1, 1, 2, 6], "must be 1"),
+                          ([0, 3, 1, 2, 1, 2], "one path")]:
+        with pytest.raises(P.ProtocolError, match=says) as info:
+            P.decode_tree({**wire, "sources": np.array(sources, np.uint8)}, 10, 8, need_q=True)
+        assert info.value.code == P.E_BAD_TREE
+
+
 # ---- lossless greedy ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("row_dtype", ["fp16", "int8"])
 def test_prefill_verify_equals_vanilla(server, model, drafter, prompts, vanilla, tiny, row_dtype):
