@@ -38,7 +38,7 @@ def main() -> None:
         with server:
             url = server.url
             print(f"\n$ moa-edge --server {url} --max-new-tokens {MAX_NEW_TOKENS} {prompt!r}\n", flush=True)
-            with EdgeSession(bundle, url) as spec, EdgeSession(bundle, url, mode="api") as api:
+            with EdgeSession(bundle, url) as spec, EdgeSession(bundle, url, mode="api", copy_tokens=0) as api:
                 for chunk in spec.generate(prompt, max_new_tokens=MAX_NEW_TOKENS):
                     print(chunk, end="", flush=True)
                 print(f"\n\nMoA edge + server: {status_line(spec)}")

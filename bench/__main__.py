@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "after N verified tokens, scored against the target's own continuation (PyTorch, one device)")
     for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, "api,eagle,moa"), (o, "moa,eagle,lookup")):
         b.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
-        variants = "; eagle+copy, moa+copy: with copy chains (--copy-tokens)" if b is not o else ""
+        variants = {s: "; vanilla+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)",
+                    e: "; api+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)"}.get(b, "")
         b.add_argument("--methods", default=methods, help=f"comma-separated, from {methods}{variants} (default: "
                        f"{methods})")
         b.add_argument("--out", required=True, help="output directory")

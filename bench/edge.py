@@ -3,7 +3,8 @@ edge bundles drafting in ONNX Runtime while the verify server checks their trees
 (docs/design.md §9). This is the edge client's view: its own clock, its own byte counts.
 
 Each drafter needs a server whose memory head matches its bundle: one server per drafter, started on loopback
-unless given; `api` asks the MoA server (any server generates the same vanilla text). Figures per method, overall
+unless given; `api` asks the MoA server (any server generates the same vanilla text). The +copy methods verify copy
+chains (`api+copy`: the server's own, while it generates alone). Figures per method, overall
 and per category, beyond tokens/s, speedup (over api) and outputs_match_api (greedy):
 - tau: tokens gained per verify call, the server's next token included (api: 1, one target forward per token);
 - server_calls_per_token: requests (prefill, verify, generate) per new token;
@@ -28,8 +29,15 @@ from edge_client.client import EdgeSession, default_bundle
 from moa_core.lookup import COPY_TOKENS
 from server.process import ServerProcess
 
-METHODS = ("api", "eagle", "moa", "eagle+copy", "moa+copy")  # +copy: with copy chains
-DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa", "eagle+copy": "eagle", "moa+copy": "moa"}  # bundle, server
+METHODS = ("api", "eagle", "moa", "api+copy", "eagle+copy", "moa+copy")  # +copy: with copy chains
+DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa", "api+copy": "moa", "eagle+copy": "eagle",
+              "moa+copy": "moa"}  # bundle, server
+
+
+def session_options(method: str, copy_tokens: int = COPY_TOKENS) -> dict:
+    """The EdgeSession mode and copy chains of a method: api* has the server generate alone, +copy verifies copies."""
+    return {"mode": "api" if method.startswith("api") else "speculative",
+            "copy_tokens": copy_tokens if method.endswith("+copy") else 0}
 
 
 def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
@@ -80,9 +88,8 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
                                    (["--threads", str(threads)] if threads else []))
             servers[d] = stack.enter_context(server).url
         sessions = {m: stack.enter_context(EdgeSession(bundles[DRAFTER_OF[m]], servers[DRAFTER_OF[m]], token,
-                                                       mode="api" if m == "api" else "speculative", tree=tree,
-                                                       threads=threads,
-                                                       copy_tokens=copy_tokens if m.endswith("+copy") else 0))
+                                                       tree=tree, threads=threads,
+                                                       **session_options(m, copy_tokens)))
                     for m in methods}
         targets = {s.target for s in sessions.values()}
         if len(targets) > 1:
@@ -96,11 +103,11 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
         "machine": machine(),
         "threads": threads,
         "target": sessions[methods[0]].target,
-        "bundles": {m: bundles[DRAFTER_OF[m]] for m in methods if m != "api"},
-        "dtype": {m: sessions[m].bundle.meta.get("dtype") for m in methods if m != "api"},
-        "providers": {m: sessions[m].step.provider for m in methods if m != "api"},
+        "bundles": {m: bundles[DRAFTER_OF[m]] for m in methods if sessions[m].mode != "api"},
+        "dtype": {m: sessions[m].bundle.meta.get("dtype") for m in methods if sessions[m].mode != "api"},
+        "providers": {m: sessions[m].step.provider for m in methods if sessions[m].mode != "api"},
         "servers": {d: ("local " if d in local else "") + servers[d] for d in drafters},
-        "tree": {m: f"{sessions[m].tree} ({sessions[m].tree_note})" for m in methods if m != "api"},
+        "tree": {m: f"{sessions[m].tree} ({sessions[m].tree_note})" for m in methods if sessions[m].mode != "api"},
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.edge import DRAFTER_OF, METHODS
+from bench.edge import DRAFTER_OF, METHODS, session_options
 from bench.link import LinkProfile, LinkProxy
 from bench.prompts import Prompt
 from bench.runs import machine, now
@@ -176,8 +176,8 @@ def run_serve(config: ServeConfig, prompts: list[Prompt], partial: Path | None =
                     d = DRAFTER_OF[m]
                     with ExitStack() as stack:
                         sessions = {mode: [stack.enter_context(EdgeSession(
-                            bundles[d], proxies[mode, d].url, config.token, mode="api" if m == "api" else
-                            "speculative", tree=config.tree, threads=config.edge_threads)) for _ in range(widest)]
+                            bundles[d], proxies[mode, d].url, config.token, tree=config.tree,
+                            threads=config.edge_threads, **session_options(m))) for _ in range(widest)]
                             for mode in config.batching}
                         for mode in config.batching:  # warm-up: one short generation
                             run_clients(sessions[mode][:1], prompts[:1], 8)

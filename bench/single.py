@@ -12,8 +12,8 @@ turn). Figures per method, overall and per category:
   generations observed before, warm-up included), next to the measured tokens_per_s; predicted_error = predicted /
   measured - 1 (None where a generation had nothing to predict with: prompt lookup before any observation);
 - outputs_match_vanilla (greedy only): the share of prompts whose token ids equal vanilla's;
-- copy_round_share (methods eagle+copy, moa+copy): rounds that verified a copy chain (`SpeculativeEngine`'s
-  `copy_tokens`, `--copy-tokens`).
+- copy_round_share (the +copy methods): rounds that verified a copy chain (`SpeculativeEngine`'s `copy_tokens`,
+  `--copy-tokens`; `vanilla+copy`: copies alone, no drafter).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine
 from models.target import Target
 
-METHODS = ("vanilla", "lookup", "eagle", "moa", "eagle+copy", "moa+copy")  # +copy: with copy chains
+METHODS = ("vanilla", "lookup", "eagle", "moa", "vanilla+copy", "eagle+copy", "moa+copy")  # +copy: copy chains
 
 
 def build_engines(target: Target, methods: list[str], tree: str, drafters: dict[str, str],

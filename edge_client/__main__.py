@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", type=parse_tree, default="auto", help="draft tree 'depth,topk,total' or 'auto' (the "
                    "budget the bundle's acceptance was measured with, cut to the server's limit) (default: auto)")
     g.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, metavar="N", help="trees also verify up to "
-                   "N tokens copied from where the text's last tokens occurred before; 0 = off (default: %(default)s)")
+                   "N tokens copied from where the text's last tokens occurred before (in api mode the server verifies "
+                   "them); 0 = off (default: %(default)s)")
     n = p.add_argument_group("link")
     n.add_argument("--on-reconnect", choices=POLICIES, default="keep", help="after an offline stretch the server "
                    "keeps the offline tokens, or verifies them and the edge rewinds to the first disagreement "

@@ -327,7 +327,8 @@ class EdgeSession:
     and fails with a clear error on a wrong token, a bundle that does not fit the server, or no server at all.
     `copy_tokens` > 0 (0 = off): trees also verify up to that many tokens copied from where the transcript's
     last tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree; sampling tries it first,
-    as a one-hot proposal, and stays lossless).
+    as a one-hot proposal, and stays lossless); when the server generates alone (api mode, or the Pacer's switch)
+    it verifies such copies itself.
     """
 
     def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,
@@ -358,6 +359,7 @@ class EdgeSession:
         self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts(),
                                                         self.tokenizer.special_token_ids()) if offline_guard else None
         self.offline_temperature = offline_temperature
+        self.copy_tokens = copy_tokens
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.choice: Choice | None = None  # the cost model's prediction (tree auto)
         # what generations will take, per mode they run in: the cost model, then what was observed
@@ -698,10 +700,13 @@ class EdgeSession:
 
     # ---- api mode ---------------------------------------------------------------------------------------------
     def _api(self, prompt: list[int], max_new: int) -> Iterator[Chunk]:
-        """The server generates with the target alone and streams text (the baseline; no offline fallback)."""
+        """The server generates with the target alone and streams text (the baseline; no offline fallback), verifying
+        copy chains where the text repeats (`copy_tokens`; 0: plain decoding)."""
         if self._link is None:
             self._link = self._open()
-        fields = {"max_new_tokens": max_new, **self._sampling, "drafter": "none"}
+        room = self._link.welcome["limits"]["max_tree_tokens"] - 1  # the server's bound on copy_tokens
+        fields = {"max_new_tokens": max_new, **self._sampling, "drafter": "none",
+                  "copy_tokens": min(self.copy_tokens, room)}
         self._send(P.encode(P.GENERATE, fields, token_tensor(prompt)))
         first = None  # when the first token came: the rate after it is the server's decoding, prefill excluded
         while (msg := self._receive()).type == P.TOKEN:

@@ -159,7 +159,7 @@ SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     RESUMED: {"fields": {"accepted_upto": "int", "next_token": "int", "length": "int", "timings?": "object"},
               "tensors": _ROWS},
     GENERATE: {"fields": {"session_id?": "str", "max_new_tokens": "int", **_SAMPLING, "drafter": ("none", "server"),
-                          "seed?": "int"},
+                          "seed?": "int", "copy_tokens?": "int"},
                "tensors": _TOKENS},
     TOKEN: {"fields": {"text": "str"}, "tensors": {}},
     DONE: {"fields": {"tokens": "int[]", "text": "str", "finish_reason": ("eos", "stop", "length"), "stats": "object"},

@@ -114,14 +114,14 @@ class SpeculativeEngine:
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
     it (`predicted_s`).
-    `copy_tokens` > 0 (with a neural drafter; 0 = off): when the transcript's last tokens occurred
-    before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified too, grafted
-    onto the drafter's tree, or alone where the Pacer has the engine decode plainly; such rounds are decided by the
-    match, so the Pacer judges the drafter on the other rounds only."""
+    `copy_tokens` > 0 (0 = off; default COPY_TOKENS with a neural drafter, 0 without): when the transcript's last
+    tokens occurred before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified
+    too, grafted onto the drafter's tree, or alone where the engine decodes plainly (always, without a drafter);
+    such rounds are decided by the match, so the Pacer judges the drafter on the other rounds only."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
-                 batcher=None, copy_tokens: int = COPY_TOKENS):
+                 batcher=None, copy_tokens: int | None = None):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
         `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
         Runtime graph); the drafter's memory head computes the memory rows either way. `batcher`
@@ -137,9 +137,8 @@ class SpeculativeEngine:
         self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
         self.step = draft_step or self.memory_head
         self.candidates = candidates
-        if copy_tokens < 0:
-            raise ValueError(f"copy_tokens must be >= 0, got {copy_tokens}")
-        self.copy_tokens = copy_tokens if self.drafter is not None else 0  # vanilla and prompt lookup stay as they are
+        self.copy_tokens = self._copy_tokens(COPY_TOKENS if self.drafter is not None and copy_tokens is None
+                                             else copy_tokens or 0)
         if self.drafter is not None and self.drafter.target_fingerprint != target.weights_fingerprint:
             raise ValueError("drafter and target fingerprints differ")
         self._costs: Costs | None = None
@@ -200,6 +199,11 @@ class SpeculativeEngine:
         generations observed since)."""
         return self.forecast.seconds(prompt_tokens, new_tokens)
 
+    def _copy_tokens(self, n: int) -> int:
+        if n < 0 or (n and self.proposer is not None):
+            raise ValueError(f"copy_tokens must be >= 0 (0 with a proposer such as prompt lookup), got {n}")
+        return n
+
     def encode(self, prompt: Prompt) -> list[int]:
         return encode_prompt(prompt, self.target.encode_chat)
 
@@ -214,7 +218,10 @@ class SpeculativeEngine:
         stop: list[str] | None = None,
         streamer: Callable[[str], None] | None = None,
         seed: int | None = None,
+        copy_tokens: int | None = None,
     ) -> GenerationResult:
+        """`copy_tokens`: this generation's longest copy chain (default: the engine's)."""
+        copy_tokens = self.copy_tokens if copy_tokens is None else self._copy_tokens(copy_tokens)
         sampling = Sampling(temperature, top_k, top_p)
         g = torch.Generator(device=self.target.device)
         g.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
@@ -237,7 +244,7 @@ class SpeculativeEngine:
         while reason is None:
             t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
-            copy = copy_chain(ids + out + [root], self.copy_tokens) if self.copy_tokens else []
+            copy = copy_chain(ids + out + [root], copy_tokens) if copy_tokens else []
             stats.copy_rounds += bool(copy)
             if speculate:
                 if session is not None and behind:
@@ -246,7 +253,8 @@ class SpeculativeEngine:
                                                           copy)
             elif copy:  # the copy alone: the drafter's session catches up later, as after plain rounds
                 new, root, step = self._copy_round(runner, root, copy, sampling, g, stats)
-                behind.append((new, step))
+                if session is not None:
+                    behind.append((new, step))
             else:
                 new, root, step = self._vanilla_round(runner, root, sampling, g, stats)
                 if session is not None:

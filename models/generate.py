@@ -28,9 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter", default="moa", help=f"{' | '.join(DRAFTERS)} or a drafter directory")
     p.add_argument("--target", default="default", help="target alias, Hugging Face id or path")
     p.add_argument("--tree", default="auto", help="auto (cost model) or depth,topk,total_tokens")
-    p.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, help="with moa or eagle: also verify up "
-                   "to N tokens copied from where the text's last tokens occurred before; 0 = off (default: "
-                   "%(default)s)")
+    p.add_argument("--copy-tokens", type=int, default=None, help="also verify up to N tokens copied from where "
+                   f"the text's last tokens occurred before; 0 = off (default: {COPY_TOKENS} with moa or eagle, 0 with "
+                   "none; lookup takes none)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

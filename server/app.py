@@ -407,6 +407,9 @@ class App:
         if f["max_new_tokens"] < 1 or len(prompt) + f["max_new_tokens"] > self.limits.max_context:
             raise P.ProtocolError(f"prompt of {len(prompt)} + max_new_tokens {f['max_new_tokens']} must be in "
                                   f"[1, max_context={self.limits.max_context}]", P.E_LIMIT)
+        if not 0 <= f.get("copy_tokens", 0) < self.limits.max_tree_tokens:
+            raise P.ProtocolError(f"copy_tokens {f['copy_tokens']} must be in [0, max_tree_tokens="
+                                  f"{self.limits.max_tree_tokens})", P.E_LIMIT)
         if f["drafter"] == "server":
             self.model.require_memory_head()
         loop, frames = asyncio.get_running_loop(), asyncio.Queue()
@@ -421,7 +424,8 @@ class App:
 
         def run() -> None:
             try:
-                done = self.model.generate(prompt, f["max_new_tokens"], sampling, f["drafter"], f.get("seed"), emit)
+                done = self.model.generate(prompt, f["max_new_tokens"], sampling, f["drafter"], f.get("seed"), emit,
+                                           f.get("copy_tokens"))
                 loop.call_soon_threadsafe(frames.put_nowait, done)
             finally:
                 loop.call_soon_threadsafe(frames.put_nowait, None)

@@ -149,11 +149,12 @@ class Model:
         return self._engines[drafter]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, drafter: str, seed: int | None,
-                 emit: Callable[[str], None]) -> bytes:
-        """Server-only generation; `emit` gets each new piece of text. Returns the `done` frame."""
+                 emit: Callable[[str], None], copy_tokens: int | None = None) -> bytes:
+        """Server-only generation; `emit` gets each new piece of text; `copy_tokens` the longest copy chain verified
+        (default: the engine's). Returns the `done` frame."""
         t0 = time.perf_counter()
         result = self.engine(drafter).generate(prompt, max_new_tokens, sampling.temperature, sampling.top_p,
-                                               sampling.top_k, streamer=emit, seed=seed)
+                                               sampling.top_k, streamer=emit, seed=seed, copy_tokens=copy_tokens)
         self.metrics.target_seconds += time.perf_counter() - t0
         return P.encode(P.DONE, {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
                                  "stats": result.stats.as_dict()})

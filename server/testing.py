@@ -108,10 +108,11 @@ class Client:
         return self.call(P.HELLO, {**fields, "auth": auth} if auth else fields)
 
     def generate(self, prompt: list[int], max_new_tokens: int, drafter: str = "none", temperature: float = 0.0,
-                 seed: int | None = None) -> tuple[list[str], P.Message]:
+                 seed: int | None = None, copy_tokens: int | None = None) -> tuple[list[str], P.Message]:
         """Server-side generation: the streamed text pieces and the `done` message."""
+        copy = {} if copy_tokens is None else {"copy_tokens": copy_tokens}
         self.ws.send(P.encode(P.GENERATE, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0,
-                                           "top_k": 0, "drafter": drafter, "seed": seed},
+                                           "top_k": 0, "drafter": drafter, "seed": seed, **copy},
                               {"tokens": np.asarray(prompt, np.int32)}))
         pieces = []
         while (msg := self.recv()).type == P.TOKEN:

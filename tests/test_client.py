@@ -146,19 +146,21 @@ def test_edge_benchmark(env, tmp_path):
     prompts.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": [PROMPT, "and then?"]}) + "\n" +
                        json.dumps({"question_id": 2, "category": "qa", "turns": ["What is 2 plus 2?"]}) + "\n")
     out = tmp_path / "bench"
-    bench(["edge", "--prompts", str(prompts), "--methods", "api,moa", "--max-new-tokens", "24", "--out", str(out),
+    bench(["edge", "--prompts", str(prompts), "--methods", "api,moa,api+copy", "--max-new-tokens", "24", "--out", str(out),
            "--moa-bundle", str(env["bundle"]), "--moa-server", env["main"].url, "--token", TOKEN, "--tree", TREE,
            "--threads", "1", "--no-progress"])
     results = json.loads((out / "results.json").read_text())
     api, moa = results["methods"]["api"], results["methods"]["moa"]
-    assert list(results["methods"]) == ["api", "moa"] and results["settings"]["benchmark"] == "edge"
+    assert list(results["methods"]) == ["api", "moa", "api+copy"] and results["settings"]["benchmark"] == "edge"
     assert api["outputs_match_api"] == moa["outputs_match_api"] == 1.0 and api["speedup"] == 1.0
+    copied = results["methods"]["api+copy"]  # the server alone, verifying copy chains: the same text
+    assert copied["outputs_match_api"] == 1.0 and copied["tau"] >= 1.0 and copied["api_share"] == 1.0
     assert api["tau"] == 1.0 and moa["tau"] > 1.2  # drafts are accepted
     assert api["server_calls_per_token"] < moa["server_calls_per_token"] < 1  # one generate per turn
     assert moa["bytes_per_token"] > api["bytes_per_token"]  # trees up, memory rows down
     assert set(moa["per_category"]) == {"chat", "qa"} and moa["new_tokens"] == api["new_tokens"] > 24
     assert "| moa | all |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
-    assert len((out / "outputs.jsonl").read_text().splitlines()) == 4
+    assert len((out / "outputs.jsonl").read_text().splitlines()) == 6
 
 
 def test_serve_benchmark_through_an_emulated_link(env, tmp_path):

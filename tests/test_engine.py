@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree, graft
+from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.verify import Sampling, tree_mask_and_positions
 from tests.helpers import chi_square_p, first_two, greedy_continuations, joint_first_two, train_tiny
@@ -84,26 +85,31 @@ def test_graft_follows_the_tree_then_adds_a_chain():
 
 @pytest.mark.parametrize("arch", ["moa", "eagle"])
 def test_copy_chains_are_lossless(tiny, drafters, arch):
-    """Copy chains grafted onto the drafter's tree, and alone in rounds the Pacer decodes plainly."""
+    """Copy chains grafted onto the drafter's tree, alone in rounds the Pacer decodes plainly, and without a
+    drafter."""
     vanilla = SpeculativeEngine(tiny, None)
     grafted = SpeculativeEngine(tiny, drafters[arch], tree="4,2,8", copy_tokens=8)
     alone = SpeculativeEngine(tiny, drafters[arch], tree="auto", copy_tokens=8)
+    undrafted = SpeculativeEngine(tiny, None, copy_tokens=8)
     for _ in range(10):  # the drafter does not pay: plain rounds, and copy rounds where the text repeats
         alone.pacer.observe(True, 1, 1.0)
-    copied = [0, 0]
+    copied = [0, 0, 0]
     for sample in greedy_continuations(tiny, 3, seed=0) + greedy_continuations(tiny, 2, seed=7):
         prompt = sample.ids[:6]
         want = vanilla.generate(prompt, max_new_tokens=40).token_ids
-        for i, engine in enumerate((grafted, alone)):
+        for i, engine in enumerate((grafted, alone, undrafted)):
             out = engine.generate(prompt, max_new_tokens=40)
             assert out.token_ids == want
             copied[i] += out.stats.copy_rounds
     assert min(copied) > 0, copied  # the tiny target's text repeats: chains were really verified
     with pytest.raises(ValueError, match="copy_tokens must be >= 0"):
         SpeculativeEngine(tiny, drafters[arch], copy_tokens=-1)
-    assert SpeculativeEngine(tiny, None).copy_tokens == 0  # vanilla stays vanilla
-    sampled = [0, 0]  # sampling copies too (its distribution: test_sampling_keeps_the_target_distribution)
-    for i, engine in enumerate((grafted, alone)):
+    with pytest.raises(ValueError, match="copy_tokens must be >= 0"):
+        SpeculativeEngine(tiny, "lookup", copy_tokens=8)
+    assert SpeculativeEngine(tiny, None).copy_tokens == 0 == SpeculativeEngine(tiny, "lookup").copy_tokens
+    assert SpeculativeEngine(tiny, drafters[arch]).copy_tokens == COPY_TOKENS
+    sampled = [0, 0, 0]  # sampling copies too (its distribution: test_sampling_keeps_the_target_distribution)
+    for i, engine in enumerate((grafted, alone, undrafted)):
         for seed in range(3):
             a, b = (engine.generate([3, 5, 7], max_new_tokens=40, temperature=0.5, seed=seed) for _ in range(2))
             assert len(a.token_ids) > 0 and (engine is alone or a.token_ids == b.token_ids)  # no Pacer: reproducible

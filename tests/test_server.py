@@ -160,6 +160,21 @@ def test_generate_streams_vanilla_output(server, prompts, vanilla, tiny):
         assert a == b
 
 
+def test_generate_verifies_copy_chains(server, tiny):
+    """The server alone with copy chains (`copy_tokens`): the vanilla text in fewer target forwards."""
+    prompt = greedy_continuations(tiny, 1, seed=0)[0].ids[:6]  # the tiny target's text repeats after it
+    want = SpeculativeEngine(tiny, None).generate(prompt, max_new_tokens=40).token_ids
+    with Client(server.url, "bob") as c:
+        c.hello(server.app.model.fingerprint)
+        plain, copied = (c.generate(prompt, 40, "none", copy_tokens=n)[1].fields for n in (0, 8))
+        assert plain["tokens"] == copied["tokens"] == want
+        assert plain["stats"]["copy_rounds"] == 0 < copied["stats"]["copy_rounds"]
+        assert copied["stats"]["target_forwards"] < plain["stats"]["target_forwards"]
+        with pytest.raises(ServerError, match="copy_tokens") as info:
+            c.generate(prompt, 40, "none", copy_tokens=server.app.limits.max_tree_tokens)
+        assert info.value.code == P.E_LIMIT
+
+
 def test_sampling_verify(server, model, drafter, prompts, tiny):
     with Client(server.url, "alice") as c:
         sc = edge(c, model, drafter, temperature=0.9, seed=1)
