@@ -63,8 +63,10 @@ def add_offline_guard_arguments(group: argparse.ArgumentParser | argparse._Argum
     group.add_argument("--guard-window", type=int, default=d.window, metavar="W", help="how many recent tokens the "
                        "rules look at (default: %(default)s)")
     group.add_argument("--no-copy", dest="copy", action="store_false", help="offline tokens: do not copy what the "
-                       "text repeats (by default, when its last 1-3 tokens occurred before, the token that followed "
+                       "text repeats (by default, when its last tokens occurred before, the token that followed "
                        "them is taken, as prompt lookup would draft it)")
+    group.add_argument("--copy-min-ngram", type=int, default=d.copy_min_ngram, choices=(1, 2, 3), help="offline "
+                       "tokens copy when at least the last N tokens occurred before (default: %(default)s)")
 
 
 def offline_guard(args: argparse.Namespace) -> OfflineGuard | None:
@@ -72,7 +74,7 @@ def offline_guard(args: argparse.Namespace) -> OfflineGuard | None:
     if args.no_repeat_ngram == 0 and args.max_newlines == 0 and args.repetition_penalty == 1 and not args.copy:
         return None
     return OfflineGuard(args.no_repeat_ngram, args.max_newlines, args.repetition_penalty, args.guard_window,
-                        args.copy)
+                        args.copy, args.copy_min_ngram)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,8 +51,8 @@ class OfflineGuard:
     vocabulary's token texts, given with `for_vocabulary`.
     `repetition_penalty` r > 1: tokens already in the window have positive logits divided by r, negative ones
     multiplied (as in Hugging Face `generate`).
-    `copy`: when the transcript's last n-gram (n = 3, else 2, else 1) occurred before, the token that followed its
-    latest occurrence (prompt lookup's proposal) is taken, unless another rule bans it or it is a special token (an
+    `copy`: when the transcript's last n-gram (n = 3, else 2, ... down to `copy_min_ngram`) occurred before, the
+    token that followed its latest occurrence (prompt lookup's proposal) is taken, unless another rule bans it or it is a special token (an
     end of turn copied from the prompt's template would end the reply): text an answer repeats (names, code, the
     question's words) is copied rather than guessed anew, tokens outside a reduced draft vocabulary included."""
 
@@ -61,15 +61,17 @@ class OfflineGuard:
     repetition_penalty: float = 1.0
     window: int = 64
     copy: bool = True
+    copy_min_ngram: int = MIN_NGRAM
     # per token id: the newlines of a whitespace-only token, -1 for any other token (set by for_vocabulary)
     newlines: np.ndarray | None = field(default=None, repr=False, compare=False)
     # special tokens (end of turn, chat markers: set by for_vocabulary), never copied: the prompt's template has them
     special: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self):
-        if min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1:
+        if (min(self.no_repeat_ngram, self.max_newlines) < 0 or self.repetition_penalty < 1 or self.window < 1
+                or not MIN_NGRAM <= self.copy_min_ngram <= MAX_NGRAM):
             raise ValueError(f"bad offline guard {self}: no_repeat_ngram and max_newlines >= 0, "
-                             "repetition_penalty >= 1, window >= 1")
+                             f"repetition_penalty >= 1, window >= 1, copy_min_ngram in [{MIN_NGRAM}, {MAX_NGRAM}]")
 
     @property
     def settings(self) -> dict:
@@ -105,7 +107,7 @@ class OfflineGuard:
             table = self.newlines[: len(out)]
             banned[: len(table)] |= (table > 0) & (run + table > self.max_newlines)
         if self.copy:
-            found = find_continuation(history, MAX_NGRAM, MIN_NGRAM, 1)
+            found = find_continuation(history, MAX_NGRAM, self.copy_min_ngram, 1)
             if found and found[0] < len(out) and not banned[found[0]] and found[0] not in self.special:
                 copied = np.full_like(out, NEG_INF)
                 copied[found[0]] = 0.0  # probability 1, whatever the temperature

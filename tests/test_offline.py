@@ -51,6 +51,10 @@ def test_guard_copies_what_the_text_repeats():
     # a special token (say the template's end of turn) is never copied
     assert on.for_vocabulary(["a"] * 5, special=[1]).apply(logits, history).tolist() == logits.tolist()
     assert int(np.argmax(on.apply(logits, [3, 0, 2, 3]))) == 0  # the 1-gram (3) counts too
+    assert replace(on, copy_min_ngram=2).apply(logits, [3, 0, 2, 3]).tolist() == logits.tolist()  # unless too short
+    assert replace(on, copy_min_ngram=2).apply(logits, history).tolist() == copied.tolist()
+    with pytest.raises(ValueError, match="copy_min_ngram"):
+        OfflineGuard(copy_min_ngram=4)
     # the n-gram rule wins: copying 1 after (4, 3) would repeat the unverified (4, 3, 1)
     banned = OfflineGuard(no_repeat_ngram=3, max_newlines=0).apply(logits, history)
     assert np.isneginf(banned[1]) and int(np.argmax(banned)) == 2
