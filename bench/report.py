@@ -59,6 +59,14 @@ def offline_table(results: dict) -> str:
                     fig = {k: v for k, v in fig.items() if k not in ("exact_prefix", "agreement_1_8", "agreement_mean")}
                 lines.append("| " + " | ".join([method, cut] + [cell(fig.get(k), f) for _, k, f in OFFLINE_COLUMNS])
                              + " |")
+    if results.get("comparisons"):
+        lines += ["", "| case by case | cut | cases | agreement 1-32, difference | 95 % interval | cases ahead |",
+                  "|---|---|---|---|---|---|"]
+        for pair, per_cut in results["comparisons"].items():
+            for cut, c in per_cut.items():
+                lo, hi = c["ci95"]
+                lines.append(f"| {pair} | {cut} | {c['cases']} | {100 * c['mean']:+.1f} pt | {100 * lo:+.1f} to "
+                             f"{100 * hi:+.1f} pt | {c['first_better']} vs {c['second_better']} |")
     return "\n".join(lines)
 
 

@@ -123,7 +123,7 @@ def test_offline_bench_end_to_end(tiny, tmp_path):
     assert list(methods) == ["target", "moa", "moa+guard", "eagle", "eagle+guard", "lookup"]
     assert results["settings"]["decoding"]["moa+guard"]["guard"] == {"no_repeat_ngram": 2, "max_newlines": 2,
                                                                      "repetition_penalty": 1.0, "window": 64,
-                                                                     "copy": True}
+                                                                     "copy": True, "copy_min_ngram": 1}
     records = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(records) == 3 * 2 * 6
     for cut in ("4", "8"):
@@ -135,4 +135,13 @@ def test_offline_bench_end_to_end(tiny, tmp_path):
             assert methods[f"{arch}+guard"][cut]["repeated_ngram"] == 0.0
     for r in records:  # exact_prefix is the agreement up to the first miss
         assert r["exact_prefix"] == (r["agreement"] + [False]).index(False)
-    assert "| moa+guard | 8 |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
+    for pair in ("moa - eagle", "moa+guard - eagle+guard"):  # case by case, with a bootstrap interval
+        for cut in ("4", "8"):
+            c = results["comparisons"][pair][cut]
+            mean = methods[pair.split(" - ")[0]][cut]["agreement_mean"] - methods[pair.split(" - ")[1]][cut][
+                "agreement_mean"]
+            assert c["cases"] == 3 and abs(c["mean"] - mean) < 1e-9 and c["ci95"][0] <= c["mean"] <= c["ci95"][1]
+            assert c["first_better"] + c["second_better"] <= 3
+    table = (out / "results.md").read_text()
+    assert "| moa+guard | 8 |" in table and "| moa+guard - eagle+guard | 8 | 3 |" in table
+    assert (out / "results.png").stat().st_size > 0
