@@ -145,7 +145,7 @@ class Model:
             self.require_memory_head()
         if drafter not in self._engines:
             self._engines[drafter] = SpeculativeEngine(self.target, self.drafter if drafter == "server" else None,
-                                                       tree=self.tree, batcher=self.batcher)
+                                                       tree=self.tree, batcher=self.batcher, costs=self.costs)
         return self._engines[drafter]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, drafter: str, seed: int | None,
