@@ -118,9 +118,9 @@ class SpeculativeEngine:
     tokens occurred before, the tokens that followed them (up to copy_tokens, prompt lookup's proposal) are verified
     too, grafted onto the drafter's tree, or alone where the engine decodes plainly (always, without a drafter);
     such rounds are decided by the match, so the Pacer judges the drafter on the other rounds only. Under greedy
-    decoding a copy alone pays on every machine measured (it follows a 2- or 3-token match: 4.8 tokens accepted on
-    average); under sampling it is accepted less, and a Pacer of its own judges those rounds against plain
-    decoding."""
+    decoding a copy alone pays (it follows a 2- or 3-token match: 4.8 tokens accepted on average on the target's
+    held-out answers, where a verify of 17 tokens costs about 2 decode steps on a CPU and about 1 on a GPU); under
+    sampling it is accepted less, and a Pacer of its own judges those rounds against plain decoding."""
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
