@@ -13,6 +13,8 @@ and per category, beyond tokens/s, speedup (over api) and outputs_match_api (gre
 - network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
 - draft_share: the share of the time the edge spent drafting;
 - api_share: the share of a speculative method's generations the server made alone because speculation did not pay;
+- copy_round_share (the +copy methods): the share of rounds (verify calls, or the server's own in api mode) that
+  verified a copy chain;
 - predicted_tokens_per_s: what the edge predicted before each generation (moa_core.budget.Forecast: the cost
   model from the server's measured costs, the edge's draft step, the round trip and the drafter's held-out
   acceptance, refreshed by the generations observed before in the mode it runs), next to tokens_per_s;
@@ -48,6 +50,7 @@ def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
             "generations": 1, "api_generations": int(s.mode == "api"),
             **({"predicted_s": s.predicted_s} if s.predicted_s is not None else {}),
             "new_tokens": s.new_tokens, "total_s": s.total_s, "verify_calls": s.verify_calls,
+            "copy_rounds": s.copy_rounds,
             "accepted_tokens": s.accepted_tokens, "server_calls": s.server_calls, "server_s": s.server_s,
             "bytes": s.bytes_up + s.bytes_down, "network_wait_s": s.network_wait_s, "draft_s": s.draft_s}
     return turn
@@ -62,7 +65,8 @@ def summarize(runs: list[Run]) -> dict:
             "bytes_per_token": total(runs, "bytes") / new,
             "network_wait_share": total(runs, "network_wait_s") / seconds,
             "draft_share": total(runs, "draft_s") / seconds,
-            "api_share": total(runs, "api_generations") / max(1, total(runs, "generations")), **predicted(runs)}
+            "api_share": total(runs, "api_generations") / max(1, total(runs, "generations")),
+            "copy_round_share": total(runs, "copy_rounds") / max(1, calls), **predicted(runs)}
 
 
 def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,

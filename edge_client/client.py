@@ -721,6 +721,7 @@ class EdgeSession:
                                n * costs.decode(len(prompt) + len(f["tokens"]) / 2))
         lengths = f["stats"].get("acceptance_lengths", [])
         self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
+        self.stats.copy_rounds = f["stats"].get("copy_rounds", 0)
         self.stats.server_s = f["stats"].get("total_s", 0.0)
         self.result = Result(f["text"], list(f["tokens"]), f["finish_reason"])
 

@@ -53,6 +53,7 @@ class Stats:
     server_calls: int = 0  # requests sent: prefill, verify, resume, generate (retries included)
     verify_calls: int = 0
     accepted_tokens: int = 0  # tokens gained by verify calls, the root included: tau = accepted / verify calls
+    copy_rounds: int = 0  # verify calls (or the server's rounds, in api mode) with a copy chain
     offline_tokens: int = 0  # tokens the drafter made alone while offline
     rewound_tokens: int = 0  # offline tokens shown, then withdrawn by a `verify` resume
     reconnects: int = 0
@@ -216,6 +217,7 @@ class EdgeCore:
             self._commit(new, rows, msg)
             self.stats.verify_calls += 1
             self.stats.accepted_tokens += len(new)
+            self.stats.copy_rounds += sent.tree.sources is not None
             return new
         if msg.type == P.PREFILLED:
             new = self._check(msg, -self.length, list(sent.tokens))

@@ -155,6 +155,7 @@ def test_edge_benchmark(env, tmp_path):
     assert api["outputs_match_api"] == moa["outputs_match_api"] == 1.0 and api["speedup"] == 1.0
     copied = results["methods"]["api+copy"]  # the server alone, verifying copy chains: the same text
     assert copied["outputs_match_api"] == 1.0 and copied["tau"] >= 1.0 and copied["api_share"] == 1.0
+    assert api["copy_round_share"] == moa["copy_round_share"] == 0
     assert api["tau"] == 1.0 and moa["tau"] > 1.2  # drafts are accepted
     assert api["server_calls_per_token"] < moa["server_calls_per_token"] < 1  # one generate per turn
     assert moa["bytes_per_token"] > api["bytes_per_token"]  # trees up, memory rows down

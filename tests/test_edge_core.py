@@ -115,6 +115,7 @@ def test_copy_chains_are_verified_and_lossless(model, tiny, temperature):
             out = sc.continue_until(len(prompt), 40, tiny.eos_token_ids)
             assert out == vanilla(tiny, prompt, 40) if temperature == 0 else len(out) > 0
         taus.append(sc.stats.tau)
+        assert (sc.stats.copy_rounds > 0) == (copy_tokens > 0)
     assert taus[1] > taus[0] + 0.3, taus
 
 
