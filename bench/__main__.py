@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (default: %(default)s)")
     v.add_argument("--link", action="append", default=None, help="emulated link, repeatable: lan, wifi, 4g, none or "
                    "rtt=MS[,bw=MBIT][,jitter=MS] (default: lan)")
-    v.add_argument("--methods", default="api,eagle,moa", help="comma-separated, from api,eagle,moa (default: all)")
+    v.add_argument("--methods", default="api,eagle,moa", help="comma-separated, from api,eagle,moa; api+copy, "
+                   "eagle+copy, moa+copy: with copy chains (default: %(default)s)")
     v.add_argument("--batching", default="on,off", help="server modes to compare: on (batching), off (FIFO) "
                    "(default: %(default)s)")
     v.add_argument("--max-new-tokens", type=int, default=64)

@@ -43,7 +43,7 @@ class ServeConfig:
 
     clients: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     links: list[LinkProfile] = field(default_factory=list)
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: ["api", "eagle", "moa"])
     batching: list[str] = field(default_factory=lambda: ["on", "off"])
     max_new_tokens: int = 64
     tree: str = "3,2,6"
