@@ -55,11 +55,7 @@ class DraftTree:
     q_ids: np.ndarray  # int64 (n+1, K): candidates of the draft distribution at the root (row 0) and each node
     q_probs: np.ndarray  # float32 (n+1, K): q over those candidates (renormalised), 0 where unused
     origin: np.ndarray | None = None  # int64 (n,): each node's index in the drafting pool (drafter cache slots)
-    sources: np.ndarray | None = None  # uint8 (n,): DRAFTED | COPIED flags; None: every node DRAFTED
-
-    def __post_init__(self):
-        if self.sources is not None:
-            check_sources(self.parents, self.sources)
+    sources: np.ndarray | None = None  # uint8 (n,): DRAFTED | COPIED flags (`check_sources`); None: all DRAFTED
 
     def __len__(self) -> int:
         return len(self.tokens)
