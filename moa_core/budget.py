@@ -256,13 +256,25 @@ class Pacer:
     not change. While the baseline runs, one speculative round is tried after every `probe_after`
     baseline tokens, so that speculation comes back when it pays again. `pays` is the current belief; callers say
     so when it changes. Speculation is dropped as soon as it is slower, and taken back only once it leads by
-    `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap."""
+    `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap.
 
-    def __init__(self, choice: Choice, weight: float = 0.3, probe_after: int = 256, margin: float = 0.1):
+    Counting the target at its predicted cost trusts the start-up timing of a verify round against a decode
+    step; a load spike while it was timed would misjudge every round after it. So the Pacer re-times them side by
+    side: whenever a round of one mode directly follows one of the other, both ran under about the same load, and
+    the ratio of their observed-to-predicted target times corrects the verify round's predicted cost
+    (`verify_scale`, a running geometric mean with weight `retime_weight`). Probes make such pairs while the
+    baseline runs; while speculating, `retime_after` (None: never) makes every so many rounds a baseline step."""
+
+    def __init__(self, choice: Choice, weight: float = 0.3, probe_after: int = 256, margin: float = 0.1,
+                 retime_after: int | None = None, retime_weight: float = 0.3):
         self.weight, self.probe_after, self.margin = weight, probe_after, margin
+        self.retime_after, self.retime_weight = retime_after, retime_weight
         self._spec = [choice.tau, choice.round_s]  # weighted tokens, seconds
         self._base = [1.0, choice.baseline_s]
         self._since_probe = 0
+        self._rounds = 0  # speculative rounds since the last baseline step
+        self._last: tuple[bool, float] | None = None  # the last observation's mode and observed/predicted target
+        self.verify_scale = 1.0  # a verify round's target time as re-timed, over its predicted time
         self.pays = choice.pays
 
     def rates(self) -> tuple[float, float]:
@@ -275,16 +287,29 @@ class Pacer:
         forwards that the cost model predicted to take `predicted_target_s` (None: count the seconds as they
         are)."""
         if predicted_target_s is not None:
-            seconds += predicted_target_s - target_s
+            if target_s > 0 and predicted_target_s > 0:
+                self._retime(speculative, target_s / predicted_target_s)
+            seconds += predicted_target_s * (self.verify_scale if speculative else 1.0) - target_s
         acc = self._spec if speculative else self._base
         acc[0] += self.weight * (tokens - acc[0])
         acc[1] += self.weight * (seconds - acc[1])
         self._since_probe = 0 if speculative else self._since_probe + tokens
+        self._rounds = self._rounds + 1 if speculative else 0
         spec, base = self.rates()
         self.pays = spec > base * (1 + self.margin) if not self.pays else spec >= base
 
+    def _retime(self, speculative: bool, ratio: float) -> None:
+        """A round whose target time was `ratio` x its prediction; next to one of the other mode, a re-timing."""
+        if self._last is not None and self._last[0] != speculative:
+            verify, decode = (ratio, self._last[1]) if speculative else (self._last[1], ratio)
+            pair = min(max(verify / decode, 0.25), 4.0)  # one odd pair moves the scale a bounded step
+            self.verify_scale *= (pair / self.verify_scale) ** self.retime_weight
+        self._last = (speculative, ratio)
+
     def speculate(self) -> bool:
-        """Speculate next (it pays, or a probe is due) or run the baseline."""
+        """Speculate next (it pays, or a probe is due) or run the baseline (a re-timing step, when due)."""
+        if self.pays and self.retime_after is not None and self._rounds >= self.retime_after:
+            return False
         return self.pays or self._since_probe >= self.probe_after
 
 

@@ -27,6 +27,7 @@ from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
 
 log = logging.getLogger("moa.engine")
+RETIME_AFTER = 32  # while speculation pays, every so many rounds one plain step re-times it (`Pacer`)
 
 
 class TorchDraftStep:
@@ -110,7 +111,9 @@ class SpeculativeEngine:
 
     With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
     round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
-    target forward per token), tries a speculative round again now and then, and says when the verdict changes.
+    target forward per token), tries a speculative round again now and then, and says when the verdict changes;
+    while speculating, one round in RETIME_AFTER decodes plainly, so that a verify round and a decode step are
+    re-timed side by side, under the same load (a start-up timing thrown off by a load spike is corrected).
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
     it (`predicted_s`).
@@ -155,13 +158,14 @@ class SpeculativeEngine:
                 tree = self.proposer.default_tree
                 # no acceptance record: start from an optimistic prior (every draft accepted) and let rounds tell
                 prior = self.round_s(tree, 1 + tree.depth, self.costs.contexts[0])
-                self.pacer = Pacer(Choice(tree, 1 + tree.depth, prior, self.costs.decode(self.costs.contexts[0])))
+                self.pacer = Pacer(Choice(tree, 1 + tree.depth, prior, self.costs.decode(self.costs.contexts[0])),
+                                   retime_after=RETIME_AFTER)
             else:
                 from models.costmodel import auto_tree
 
                 self.choice = auto_tree(self)
                 tree = self.choice.tree
-                self.pacer = Pacer(self.choice)
+                self.pacer = Pacer(self.choice, retime_after=RETIME_AFTER)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
         self.forecast = Forecast(self.prior_s)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None

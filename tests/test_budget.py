@@ -81,6 +81,33 @@ def test_pacer_is_not_fooled_by_a_load_that_comes_and_goes():
     assert not pacer.pays
 
 
+def test_pacer_retimes_a_verify_round_against_a_decode_step():
+    """Start-up timed a verify round as cheap as a decode step (a load spike while the decode step was timed);
+    really it costs 4 of them. Counted at the prediction, speculation would run on at a loss; re-timed side by
+    side every few rounds, the verify round's cost is corrected and speculation dropped. A load that slows both
+    modes alike moves nothing."""
+    from moa_core.budget import Pacer
+
+    choice = choose(AGREEMENT, DRAFT, {n: 0.010 for n in tree_sizes()})
+    trusting, pacer = Pacer(choice), Pacer(choice, retime_after=4)
+    for p in (trusting, pacer):
+        for _ in range(40):
+            if p.speculate():  # 2 tokens a round: 1 ms drafting, a verify predicted at 10 ms that takes 40
+                p.observe(True, 2, 0.041, 0.040, 0.010)
+            else:
+                p.observe(False, 1, 0.010, 0.010, 0.010)
+    assert trusting.pays and trusting.verify_scale == 1.0
+    assert not pacer.pays and pacer.verify_scale > 2.0
+
+    loaded = Pacer(choice, retime_after=4)
+    for _ in range(40):  # everything at 2.5x its prediction, both modes alike
+        if loaded.speculate():
+            loaded.observe(True, 2, 0.026, 0.025, 0.010)
+        else:
+            loaded.observe(False, 1, 0.025, 0.025, 0.010)
+    assert loaded.pays and loaded.verify_scale == pytest.approx(1.0)
+
+
 def test_costs_travel_and_interpolate():
     from moa_core.budget import Costs
 
