@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.edge import PLAIN_METHODS
 from bench.prompts import SETS, Prompt, PromptsError, builtin_prompts, load_prompts, write_prompts
 from edge_client.__main__ import add_offline_guard_arguments, offline_guard
 from moa_core.lookup import COPY_TOKENS
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "server, from the edge client's side")
     o = sub.add_parser("offline", help="the disconnection experiment: MoA vs EAGLE vs prompt lookup continuing alone "
                        "after N verified tokens, scored against the target's own continuation (PyTorch, one device)")
-    for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, "api,eagle,moa"), (o, "moa,eagle,lookup")):
+    for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, ",".join(PLAIN_METHODS)), (o, "moa,eagle,lookup")):
         b.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
         variants = {s: "; vanilla+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)",
                     e: "; api+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)"}.get(b, "")
@@ -96,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--clients", default="1,2,4,8", help="concurrent client counts (default: %(default)s)")
     v.add_argument("--link", action="append", default=None, help="emulated link, repeatable: lan, wifi, 4g, none or "
                    "rtt=MS[,bw=MBIT][,jitter=MS] (default: lan)")
-    v.add_argument("--methods", default="api,eagle,moa", help="comma-separated, from api,eagle,moa; api+copy, "
+    v.add_argument("--methods", default=",".join(PLAIN_METHODS), help="comma-separated, from api,eagle,moa; api+copy, "
                    "eagle+copy, moa+copy: with copy chains (default: %(default)s)")
     v.add_argument("--batching", default="on,off", help="server modes to compare: on (batching), off (FIFO) "
                    "(default: %(default)s)")

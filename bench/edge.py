@@ -32,6 +32,7 @@ from moa_core.lookup import COPY_TOKENS
 from server.process import ServerProcess
 
 METHODS = ("api", "eagle", "moa", "api+copy", "eagle+copy", "moa+copy")  # +copy: with copy chains
+PLAIN_METHODS = METHODS[:3]  # the default of `bench edge` and `bench serve`: the server alone, each drafter alone
 DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa", "api+copy": "moa", "eagle+copy": "eagle",
               "moa+copy": "moa"}  # bundle, server
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.edge import DRAFTER_OF, METHODS, session_options
+from bench.edge import DRAFTER_OF, METHODS, PLAIN_METHODS, session_options
 from bench.link import LinkProfile, LinkProxy
 from bench.prompts import Prompt
 from bench.runs import machine, now
@@ -43,7 +43,7 @@ class ServeConfig:
 
     clients: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     links: list[LinkProfile] = field(default_factory=list)
-    methods: list[str] = field(default_factory=lambda: ["api", "eagle", "moa"])
+    methods: list[str] = field(default_factory=lambda: list(PLAIN_METHODS))
     batching: list[str] = field(default_factory=lambda: ["on", "off"])
     max_new_tokens: int = 64
     tree: str = "3,2,6"
