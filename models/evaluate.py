@@ -4,7 +4,8 @@ For sync points s inside held-out responses, the drafter is fed the true tokens 
 memory frozen at s, exactly as it drafts a chain at run time (EAGLE feeds its own predicted features back). At
 depth d we compare its top-1 token with the target's greedy token at s+d. The expected chain acceptance length
 (bonus token included) is 1 + sum_d prod_{j<=d} a_j; `tau_measured` is 1 + the mean run of leading matches.
-Top-w agreement (the target's token among the drafter's w best) feeds the tree cost model.
+Top-w agreement (the target's token among the drafter's w best) feeds the tree cost model. Given several drafters,
+each after the first is compared with it on the same answers (`paired_difference`): is a gap more than the noise?
 
 `rows` sends the drafter's view of the target (MoA's memory rows, EAGLE's hidden states) through the wire codec
 first, as the edge receives it in client-server mode:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
 from moa_core import protocol
@@ -26,6 +28,7 @@ from models.registry import load_drafter, load_target
 from models.target import Target
 
 ROWS = ("fp32",) + protocol.ROW_DTYPES
+RESAMPLES = 2000  # bootstrap resamples of the answers for a difference's interval
 
 
 @torch.no_grad()
@@ -46,6 +49,7 @@ def chain_agreement(
     hits = torch.zeros(len(widths), depth)  # target's greedy token within the drafter's top-w, per depth
     total = 0
     runs: list[int] = []
+    answer_hits, answer_points = [], []  # per answer: top-1 hits per depth, sync points (for paired_difference)
     for sample in samples:
         ids = torch.tensor(sample.ids[:max_len]).view(1, -1)
         resp = sample.response_mask[:max_len]
@@ -58,6 +62,7 @@ def chain_agreement(
         mask = torch.full((t, t), float("-inf"), dtype=full.hidden.dtype).triu(1).view(1, 1, t, t)
         whole = drafter.draft_step(ids, positions, None, None, mask, memory=memory, features=_shift(hidden))
         starts = [s for s in range(t - depth - 1) if resp[s + 1] and resp[s + depth] and (s % sync_every == 0)]
+        before = hits[0].clone()
         for s in starts:
             k, v = whole.keys[:, :, : s + 1], whole.values[:, :, : s + 1]
             feat = hidden[:, s : s + 1]
@@ -75,11 +80,32 @@ def chain_agreement(
                 run += leading
             runs.append(run)
             total += 1
+        answer_hits.append((hits[0] - before).int().tolist())
+        answer_points.append(len(starts))
     drafter.train(was_training)
     rates = (hits / max(total, 1)).tolist()
     return {"depth_agreement": rates[0], "expected_tau": expected_tau(rates[0]),
             "tau_measured": 1 + sum(runs) / max(len(runs), 1), "sync_points": total,
-            "depth_agreement_topk": {str(w): r for w, r in zip(widths, rates)}}
+            "depth_agreement_topk": {str(w): r for w, r in zip(widths, rates)},
+            "per_answer": {"hits": answer_hits, "sync_points": answer_points}}
+
+
+def paired_difference(a: dict, b: dict, seed: int = 0) -> dict:
+    """b's expected tau minus a's (two `chain_agreement` results on the same answers), with a 95 % interval from
+    resampling the answers, the same resample for both: two drafters share the hard answers, so the gap between
+    them is far less noisy than either figure alone."""
+    points = np.asarray(a["per_answer"]["sync_points"])
+    if not np.array_equal(points, b["per_answer"]["sync_points"]):
+        raise ValueError("the two drafters were scored on different answers or sync points")
+    picks = np.random.default_rng(seed).integers(0, len(points), (RESAMPLES, len(points)))
+
+    def taus(hits: list[list[int]]) -> np.ndarray:
+        rates = np.asarray(hits, dtype=np.float64)[picks].sum(1) / np.maximum(points[picks].sum(1), 1)[:, None]
+        return 1 + np.cumprod(rates, axis=1).sum(1)
+
+    spread = taus(b["per_answer"]["hits"]) - taus(a["per_answer"]["hits"])
+    return {"difference": b["expected_tau"] - a["expected_tau"], "answers": len(points),
+            "ci95": [float(np.quantile(spread, 0.025)), float(np.quantile(spread, 0.975))]}
 
 
 def wire(x: torch.Tensor, rows: str) -> torch.Tensor:
@@ -122,7 +148,8 @@ def main(argv=None) -> dict:
     if not rows:
         p.error(f"--heldout {args.heldout}: no usable conversation ({stats.summary()})")
     samples = as_encoded(rows)
-    results: dict = {"heldout": args.heldout, "samples": len(samples), "data": stats.summary(), "drafters": {}}
+    results: dict = {"heldout": args.heldout, "samples": len(samples), "data": stats.summary(), "drafters": {},
+                     "comparisons": {}}
     for path in args.drafter:
         drafter = load_drafter(path, target)
         for codec in codecs:
@@ -131,6 +158,13 @@ def main(argv=None) -> dict:
             depths = " ".join(f"{a:.3f}" for a in ev["depth_agreement"])
             print(f"{path:<28s} {codec:<5s} expected tau {ev['expected_tau']:.4f}  measured {ev['tau_measured']:.3f}"
                   f"  depth 1..{args.depth}: {depths}", flush=True)
+            if path != args.drafter[0]:
+                first = args.drafter[0]
+                diff = paired_difference(results["drafters"][first][codec], ev)
+                results["comparisons"].setdefault(f"{path} - {first}", {})[codec] = diff
+                print(f"{'':<28s} {codec:<5s} minus {first}: {diff['difference']:+.4f} (95 % interval "
+                      f"{diff['ci95'][0]:+.4f} .. {diff['ci95'][1]:+.4f}, {diff['answers']} answers resampled)",
+                      flush=True)
     if args.out:
         write_json(args.out, results)
     return results

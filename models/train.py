@@ -491,7 +491,8 @@ def save_checkpoint(acc, out: Path, state: TrainState) -> None:
 def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: Path, out: Path) -> dict:
     """Final held-out evaluation, fp16 drafter + training record, and the curves plot (the main process's)."""
     ev = chain_agreement(drafter, target, heldout[: cfg.final_eval_samples])
-    (out / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+    (out / "eval.json").write_text(json.dumps(ev) + "\n")  # per answer too: `paired_difference` of two runs
+    ev = {k: v for k, v in ev.items() if k != "per_answer"}
     split = json.loads((data / "split.json").read_text())
     leg = {
         "data": {"dir": str(data), "source": cfg.source, "heldout_source": cfg.heldout_source or None,

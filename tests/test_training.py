@@ -300,6 +300,33 @@ def test_probes_score_what_each_stage_of_the_memory_path_carries(tiny, tiny_moa,
     assert json.loads((tmp_path / "probe.json").read_text()) == scores
 
 
+def test_paired_difference_tells_a_real_gap_from_noise():
+    """Two drafters scored on the same answers: one that agrees more on every answer has a gap whose 95 % interval
+    excludes 0; with the same agreement on average but different answers, the interval contains 0; the same drafter
+    against itself gives exactly 0; results on different answers are refused."""
+    from models.evaluate import paired_difference
+
+    rng = np.random.default_rng(0)
+    points = rng.integers(10, 40, 50)
+
+    def scored(rate: np.ndarray) -> dict:  # hits per depth: each answer's own rate at every depth
+        hits = rng.binomial(points[:, None], rate[:, None] * np.ones((1, 6)))
+        rates = hits.sum(0) / points.sum()
+        return {"expected_tau": float(1 + np.cumprod(rates).sum()),
+                "per_answer": {"hits": hits.tolist(), "sync_points": points.tolist()}}
+
+    hard = rng.uniform(0.2, 0.7, 50)  # answers differ in how predictable they are
+    base, better = scored(hard), scored(hard + 0.15)
+    gap = paired_difference(base, better)
+    assert gap["difference"] > 0 and gap["ci95"][0] > 0 and gap["answers"] == 50
+    shuffled = scored(rng.permutation(hard))  # as good on average, on other answers
+    assert paired_difference(base, shuffled)["ci95"][0] < 0 < paired_difference(base, shuffled)["ci95"][1]
+    assert paired_difference(base, base) == {"difference": 0.0, "answers": 50, "ci95": [0.0, 0.0]}
+    fewer = {**base, "per_answer": {**base["per_answer"], "sync_points": (points + 1).tolist()}}
+    with pytest.raises(ValueError, match="different answers"):
+        paired_difference(base, fewer)
+
+
 def test_evaluate_scores_drafters_through_the_wire_codec(tiny, tiny_moa, tmp_path):
     """models.evaluate: int8 rows are what the edge decodes (quantised within max|x|/254 per row, fp32 untouched);
     the CLI scores each drafter and codec on held-out conversations and writes them; unknown codecs are refused."""
@@ -319,13 +346,21 @@ def test_evaluate_scores_drafters_through_the_wire_codec(tiny, tiny_moa, tmp_pat
         {"from": "human", "value": "tell me something"}, {"from": "gpt", "value": a}]}) + "\n"
         for i, a in enumerate(answers)))
     tiny_moa.save_pretrained(tmp_path / "moa")
-    moa = str(tmp_path / "moa")
-    out = evaluate_main(["--target", "tiny", "--drafter", moa, "--heldout", str(convs), "--samples", "2",
+    moa, other = str(tmp_path / "moa"), str(tmp_path / "other")
+    build_drafter("moa", tiny).save_pretrained(other)  # an untrained one: the CLI compares it with the first
+    out = evaluate_main(["--target", "tiny", "--drafter", moa, other, "--heldout", str(convs), "--samples", "2",
                          "--rows", "fp32,int8", "--out", str(tmp_path / "eval.json")])
     assert out["samples"] == 2
     for codec in ("fp32", "int8"):
         ev = out["drafters"][moa][codec]
         assert ev["sync_points"] > 0 and all(0.0 <= a <= 1.0 for a in ev["depth_agreement"])
+        per = ev["per_answer"]  # what paired_difference resamples adds up to the figures
+        assert len(per["hits"]) == 2 and sum(per["sync_points"]) == ev["sync_points"]
+        assert np.allclose(np.sum(per["hits"], axis=0) / ev["sync_points"], ev["depth_agreement"])
+        diff = out["comparisons"][f"{other} - {moa}"][codec]
+        tau = out["drafters"][other][codec]["expected_tau"] - ev["expected_tau"]
+        assert diff["answers"] == 2 and diff["difference"] == pytest.approx(tau)
+        assert diff["ci95"][0] <= diff["ci95"][1]
     assert json.loads((tmp_path / "eval.json").read_text()) == out
     with pytest.raises(SystemExit):
         evaluate_main(["--target", "tiny", "--drafter", moa, "--heldout", str(convs), "--rows", "bf16"])
