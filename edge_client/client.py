@@ -428,6 +428,7 @@ class EdgeSession:
         `offline_for` seconds (None: to the end of this generation)."""
         ids = self.encode(prompt)
         if self.pacer is not None and self.online:
+            self.pacer.restart()  # a reply's mode is a bet on a new prompt: the long-run acceptance, not the last rounds
             self._say_pace()
         mode = self._next_mode()  # api when speculation does not pay: the server generates this reply alone
         forecast = self.forecasts.get(mode) if self.online else None

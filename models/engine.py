@@ -112,7 +112,8 @@ class SpeculativeEngine:
     With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
     round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
     target forward per token), tries a speculative round again now and then, and says when the verdict changes;
-    while speculating, one round in RETIME_AFTER decodes plainly, so that a verify round and a decode step are
+    each generation starts from the predicted acceptance again (`Pacer.restart`: it depends on the prompt); while
+    speculating, one round in RETIME_AFTER decodes plainly, so that a verify round and a decode step are
     re-timed side by side, under the same load (a start-up timing thrown off by a load spike is corrected).
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
     observed since (`Forecast`); once the costs are measured each result's stats carry the prediction made before
@@ -167,6 +168,7 @@ class SpeculativeEngine:
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice, retime_after=RETIME_AFTER)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
+        self._said_times = 0  # verdict changes said: the first as a warning, the rest (each prompt may flip it) as info
         self.forecast = Forecast(self.prior_s)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
 
@@ -250,6 +252,8 @@ class SpeculativeEngine:
         stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
         checker = StopRule(self.target.eos_token_ids, self.target.tokenizer.decode, stop)
         forecast = self.forecast.copy()  # what was predicted before this generation
+        if self.pacer is not None:
+            self.pacer.restart()  # whether drafts are accepted depends on the prompt: the verdict is taken again
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner(self.batcher)
@@ -263,15 +267,17 @@ class SpeculativeEngine:
         printed = 0
         reason = None
         while reason is None:
-            t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
+            if speculate and session is not None and behind:
+                # the rows of the prompt or of plain rounds: owed by those tokens, not by this round (in the Pacer,
+                # a probe after 256 plain tokens would look too slow to ever bring speculation back)
+                self._catch_up(session, behind)
+            t, target_s, context = time.perf_counter(), stats.verify_s, len(ids) + len(out)
             copy = copy_chain(ids + out + [root], copy_tokens) if copy_tokens else []
             if copy and not speculate and not sampling.greedy and not self.copy_pacer(copy_tokens).speculate():
                 copy = []  # rounds of a copy alone do not pay now: decode plainly
             stats.copy_rounds += bool(copy)
             if speculate:
-                if session is not None and behind:
-                    self._catch_up(session, behind)
                 new, root, size = self._speculative_round(runner, session, ids + out, root, sampling, g, rng, stats,
                                                           copy)
             elif copy:  # the copy alone: the drafter's session catches up later, as after plain rounds
@@ -292,12 +298,13 @@ class SpeculativeEngine:
                              else self.costs.decode(context))
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
                 if self.pacer.pays != self._said:
-                    self._said = self.pacer.pays
+                    self._said, self._said_times = self.pacer.pays, self._said_times + 1
                     spec, base = self.pacer.rates()
-                    log.warning("tree auto: speculation %s (%.1f tokens/s vs %.1f decoding plainly, as observed with "
-                                "the target at its measured speed): %s",
-                                "pays again" if self.pacer.pays else "does not pay", spec, base,
-                                "speculating" if self.pacer.pays else "decoding plainly, trying again now and then")
+                    log.log(logging.WARNING if self._said_times == 1 else logging.INFO,
+                            "tree auto: speculation %s (%.1f tokens/s vs %.1f decoding plainly, as observed with the "
+                            "target at its measured speed): %s", "pays again" if self.pacer.pays else "does not pay",
+                            spec, base, "speculating" if self.pacer.pays else "decoding plainly, trying again now "
+                            "and then, and at the next prompt")
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:
