@@ -23,7 +23,7 @@ import torch
 from bench.prompts import Prompt
 from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
 from moa_core.lookup import COPY_TOKENS
-from models.engine import SpeculativeEngine
+from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target
 
 METHODS = ("vanilla", "lookup", "eagle", "moa", "vanilla+copy", "eagle+copy", "moa+copy")  # +copy: copy chains
@@ -92,6 +92,8 @@ def run_single(
         "dtype": str(target.dtype).removeprefix("torch."),
         "quantize": target.quantize,
         "tree": {m: str(e.tree) if e.tree else "none" for m, e in engines.items()},
+        "draft_dtype": {m: str(e.step.dtype).removeprefix("torch.") for m, e in engines.items()
+                        if isinstance(e.step, TorchDraftStep)},
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,

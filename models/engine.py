@@ -8,6 +8,7 @@ Face `generate`: prompt or chat messages, max_new_tokens, temperature, top_p, to
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,7 +24,7 @@ from moa_core.lookup import COPY_TOKENS, copy_chain
 from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
 from models.lookup import chain_tree
-from models.target import Target, TargetRunner, TargetStep
+from models.target import Target, TargetRunner, TargetStep, bf16_supported
 from models.verify import Sampling, sample_token, verify_tree
 
 log = logging.getLogger("moa.engine")
@@ -31,9 +32,12 @@ RETIME_AFTER = 32  # while speculation pays, every so many rounds one plain step
 
 
 class TorchDraftStep:
-    """A PyTorch drafter behind the numpy `DraftStep` interface of `DraftSession`."""
+    """A PyTorch drafter behind the numpy `DraftStep` interface of `DraftSession`; with `dtype`, a copy of the
+    drafter in that dtype (drafts need no exact numerics: the target verifies every token)."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, dtype: torch.dtype | None = None):
+        if dtype is not None and dtype != next(drafter.parameters()).dtype:
+            drafter = copy.deepcopy(drafter).to(dtype)
         self.drafter = drafter.eval()
         self.arch = drafter.arch
         self.keeps_draft_cache = drafter.keeps_draft_cache
@@ -60,6 +64,17 @@ class TorchDraftStep:
         batched = TargetStep(None, step.hidden.unsqueeze(0), step.keys.unsqueeze(0), step.values.unsqueeze(0))
         pos = torch.tensor(positions, device=self.device).view(1, -1)
         return self.drafter.memory_rows(batched, pos)[0].float().cpu().numpy()
+
+
+def drafting_dtype(precision: str, drafter: Drafter | None) -> torch.dtype | None:
+    """The dtype a PyTorch draft step runs in for `precision` (auto | bf16 | fp32); None keeps the drafter's."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"draft_precision must be auto, bf16 or fp32, got {precision!r}")
+    if drafter is None or precision == "fp32":
+        return None
+    p = next(drafter.parameters())
+    use = precision == "bf16" or (p.dtype == torch.float32 and bf16_supported(p.device))
+    return torch.bfloat16 if use else None
 
 
 @dataclass
@@ -128,10 +143,13 @@ class SpeculativeEngine:
 
     def __init__(self, target: Target, drafter: Drafter | Proposer | str | None = None,
                  tree: TreeConfig | str = "auto", candidates: int = 16, draft_step: DraftStep | None = None,
-                 batcher=None, copy_tokens: int | None = None, costs: Costs | None = None):
+                 batcher=None, copy_tokens: int | None = None, costs: Costs | None = None,
+                 draft_precision: str = "auto"):
         """`drafter`: a neural drafter, a `Proposer`, "lookup" (prompt lookup) or None (vanilla decoding).
         `draft_step`: what drafts for a neural drafter (default: the drafter itself in PyTorch; e.g. its ONNX
-        Runtime graph); the drafter's memory head computes the memory rows either way. `batcher`
+        Runtime graph); the drafter's memory head computes the memory rows either way. `draft_precision` of the
+        default draft step: fp32, bf16, or auto (bf16 where the hardware has bf16 matmuls: on a CPU with AMX a draft
+        step takes about half the time; the target verifies in its own dtype, so output is unchanged). `batcher`
         (models.batching.Batcher): target forwards join those of concurrent generations (the server). `costs`:
         the cost model when already measured for this target (else measured on first use)."""
         if drafter == "lookup":
@@ -143,7 +161,8 @@ class SpeculativeEngine:
         self.proposer = drafter if isinstance(drafter, Proposer) else None
         self.drafter = None if self.proposer is not None else drafter
         self.memory_head = TorchDraftStep(self.drafter) if self.drafter is not None else None
-        self.step = draft_step or self.memory_head
+        self.step = draft_step or (TorchDraftStep(self.drafter, drafting_dtype(draft_precision, self.drafter))
+                                   if self.drafter is not None else None)
         self.candidates = candidates
         self.copy_tokens = self._copy_tokens(COPY_TOKENS if self.drafter is not None and copy_tokens is None
                                              else copy_tokens or 0)

@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--draft-precision", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="the PyTorch drafter's: auto = bf16 where the hardware has bf16 matmuls (the target verifies "
+                        "in --dtype, so output is unchanged)")
     p.add_argument("--quantize", default="none", choices=QUANTIZE, help=QUANTIZE_HELP)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the answer (tree auto reports its choice)
             name = args.drafter
             drafter = None if name == "none" else name if name == "lookup" else load_drafter(name, target)
-            engine = SpeculativeEngine(target, drafter, tree=args.tree, copy_tokens=args.copy_tokens)
+            engine = SpeculativeEngine(target, drafter, tree=args.tree, copy_tokens=args.copy_tokens,
+                                       draft_precision=args.draft_precision)
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     streamer = None if args.json else lambda text: print(text, end="", flush=True)

@@ -282,3 +282,22 @@ def test_sampling_keeps_the_target_distribution(sampling, quantize, draft_vocab,
     if quantize == "none":  # the test's power does not depend on the target's weights: shown once per setting
         broken = chi_square_p(sample_first_two(tiny, drafter, prompt, root, sampling, n, "p"), joint, n)
         assert broken < 1e-6, broken
+
+
+def test_drafting_precision(tiny):
+    """auto drafts in bf16 only a float32 drafter on hardware with bf16 matmuls (the tiny float64 ones stay as they
+    are); bf16 and fp32 are asked for; the draft step is a copy, the memory head keeps the drafter's dtype."""
+    from models.engine import drafting_dtype
+    from models.registry import build_drafter
+    from models.target import bf16_supported
+
+    exact = build_drafter("moa", tiny)
+    single = build_drafter("moa", tiny).float()
+    assert drafting_dtype("auto", exact) is None and drafting_dtype("fp32", single) is None
+    assert drafting_dtype("bf16", exact) == torch.bfloat16
+    assert drafting_dtype("auto", single) == (torch.bfloat16 if bf16_supported("cpu") else None)
+    with pytest.raises(ValueError, match="draft_precision"):
+        drafting_dtype("fp16", single)
+    engine = SpeculativeEngine(tiny, exact, tree="2,2,4", draft_precision="bf16")
+    assert engine.step.dtype == torch.bfloat16 and engine.memory_head.dtype == exact.lm_head.weight.dtype
+    assert next(exact.parameters()).dtype == torch.float64  # the caller's drafter is left as it was
