@@ -427,10 +427,9 @@ class EdgeSession:
         `drop_after` drops the link once that many generated tokens are verified and keeps it down for
         `offline_for` seconds (None: to the end of this generation)."""
         ids = self.encode(prompt)
-        if self.pacer is not None and self.online:
-            self.pacer.restart()  # a reply's mode is a bet on a new prompt: the long-run acceptance, not the last rounds
-            self._say_pace()
         mode = self._next_mode()  # api when speculation does not pay: the server generates this reply alone
+        if self.pacer is not None and self.online:
+            self._say_pace()
         forecast = self.forecasts.get(mode) if self.online else None
         predicted = forecast.copy() if forecast else None  # what was predicted before this generation
         self.stats = Stats(mode, tree=str(self.tree) if mode == "speculative" else "")
@@ -461,9 +460,12 @@ class EdgeSession:
         return prior_s(costs, self.choice, prompt_tokens, new_tokens, plain=mode == "api", link_s=self.rtt_s)
 
     def _next_mode(self) -> str:
-        """The mode the next generation runs in: api while speculation does not pay."""
-        if self.pacer is not None and self.online and not self.pacer.speculate():
-            return "api"
+        """The mode the next generation runs in: api while speculation does not pay, judged for a new prompt by the
+        drafter's long-run acceptance, not by the last reply's final rounds (`Pacer.restart`)."""
+        if self.pacer is not None and self.online:
+            self.pacer.restart()
+            if not self.pacer.speculate():
+                return "api"
         return self.mode
 
     def predict_s(self, prompt_tokens: int, new_tokens: int) -> float | None:
