@@ -249,9 +249,10 @@ class Pacer:
     Both rates start at the cost model's predictions (`Choice`) and follow what is observed, as exponentially
     weighted sums of tokens and seconds (`weight` per observation), so that a mispredicted drafter or overheads
     the cost model missed are noticed within about 1 / `weight` rounds. The tokens a round gains are noisy (1 to
-    depth + 1, in runs): at weight 0.3 two or three unlucky rounds dropped drafters that paid, for the rest of the
-    reply (replayed on the acceptance of the benchmark prompts: 1.07x where always speculating gives 1.20x; 0.1
-    keeps 1.19x and still drops a drafter that loses). The two modes are never observed at the same time,
+    depth + 1, in runs): at weight 0.3, with the verdict carried from one reply to the next, two or three unlucky
+    rounds dropped drafters that paid (`tests/test_budget.py` replays a drafter gaining 2.6 tokens a round: 1.00x
+    kept of the 1.32x that always speculating gives; at 0.1 with `restart`, 1.31x, and one that loses is still
+    dropped). The two modes are never observed at the same time,
     and a machine (or a server) whose load changes slows whichever runs now: compared as observed, a fresh round
     under a new load would lose against a baseline rate observed before it, and the verdict would flap with the
     load. So each observation's time in the target's forwards counts at what the cost model predicted for them

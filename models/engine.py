@@ -127,7 +127,7 @@ class SpeculativeEngine:
     With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
     round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
     target forward per token), tries a speculative round again now and then, and says when the verdict changes;
-    each generation starts from the predicted acceptance again (`Pacer.restart`: it depends on the prompt); while
+    each generation starts from the drafter's long-run acceptance (`Pacer.restart`: it depends on the prompt); while
     speculating, one round in RETIME_AFTER decodes plainly, so that a verify round and a decode step are
     re-timed side by side, under the same load (a start-up timing thrown off by a load spike is corrected).
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
