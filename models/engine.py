@@ -187,7 +187,7 @@ class SpeculativeEngine:
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice, retime_after=RETIME_AFTER)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
-        self._said_times = 0  # verdict changes said: the first as a warning, the rest (each prompt may flip it) as info
+        self._warned = False  # the first verdict change is said as a warning, later ones (each prompt may flip it) as info
         self.forecast = Forecast(self.prior_s)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
 
@@ -317,13 +317,14 @@ class SpeculativeEngine:
                              else self.costs.decode(context))
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
                 if self.pacer.pays != self._said:
-                    self._said, self._said_times = self.pacer.pays, self._said_times + 1
+                    self._said = self.pacer.pays
                     spec, base = self.pacer.rates()
-                    log.log(logging.WARNING if self._said_times == 1 else logging.INFO,
+                    log.log(logging.INFO if self._warned else logging.WARNING,
                             "tree auto: speculation %s (%.1f tokens/s vs %.1f decoding plainly, as observed with the "
                             "target at its measured speed): %s", "pays again" if self.pacer.pays else "does not pay",
                             spec, base, "speculating" if self.pacer.pays else "decoding plainly, trying again now "
                             "and then, and at the next prompt")
+                    self._warned = True
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:
