@@ -11,7 +11,8 @@ COMMON = (("tau", "tau", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
           ("prediction error", "predicted_error", "{:+.0%}"), ("median tokens/s", "tokens_per_s_median", "{:.1f}"),
           ("speedup", "speedup", "{:.2f}x"))
 COLUMNS = {
-    "single": COMMON + (("target fwd/token", "target_forwards_per_token", "{:.3f}"),
+    "single": COMMON + (("tau speculating", "tau_speculating", "{:.2f}"), ("plain rounds", "plain_round_share", "{:.0%}"),
+                        ("target fwd/token", "target_forwards_per_token", "{:.3f}"),
                         ("matches vanilla", "outputs_match_vanilla", "{:.0%}")),
     "edge": COMMON + (("server calls/token", "server_calls_per_token", "{:.3f}"),
                       ("server ms/token", "server_ms_per_token", "{:.1f}"),

@@ -4,6 +4,8 @@ Prompts are interleaved: for each prompt every method runs, so that drift in mac
 Each prompt's turns run as a multi-turn chat (each answer is appended as the assistant message before the next
 turn). Figures per method, overall and per category:
 - tau: mean tokens gained per target forward over all decoding rounds (bonus token included, prefill excluded);
+- tau_speculating: the same over the rounds that verified drafts, without the rounds the Pacer decoded plainly (one
+  token each; plain_round_share says how many): what a drafter gains where it is used, apart from how often;
 - tokens_per_s: total new tokens / total generation time; tokens_per_s_median: median over prompts;
 - speedup: tokens_per_s over vanilla's in the same run;
 - target_forwards_per_token: target forwards (prefills included) per new token;
@@ -63,10 +65,12 @@ def engine_turn(engine: SpeculativeEngine, seed: int, **gen) -> Turn:
 def summarize(runs: list[Run]) -> dict:
     """The single-device figures beyond tokens/s: tau, target forwards per token, time drafting and verifying,
     rounds decoded plainly, the cost model's prediction."""
+    plain, speculative = total(runs, "plain_rounds"), total(runs, "rounds") - total(runs, "plain_rounds")
     return {"tau": total(runs, "gained") / max(1, total(runs, "rounds")),
+            "tau_speculating": (total(runs, "gained") - plain) / speculative if speculative else None,
             "target_forwards_per_token": total(runs, "target_forwards") / max(1, total(runs, "new_tokens")),
             "draft_s": total(runs, "draft_s"), "verify_s": total(runs, "verify_s"),
-            "plain_round_share": total(runs, "plain_rounds") / max(1, total(runs, "rounds")),
+            "plain_round_share": plain / max(1, total(runs, "rounds")),
             "copy_round_share": total(runs, "copy_rounds") / max(1, total(runs, "rounds")), **predicted(runs)}
 
 

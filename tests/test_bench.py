@@ -8,8 +8,8 @@ import pytest
 
 from bench.__main__ import main
 from bench.prompts import Prompt, PromptsError, builtin_prompts, humaneval_prompts, read_prompts
-from bench.runs import run_chat
-from bench.single import METHODS, engine_turn
+from bench.runs import Run, run_chat
+from bench.single import METHODS, engine_turn, summarize
 from models.data import iter_source
 from models.defaults import resolve_drafter_path
 from models.engine import GenerationResult, GenerationStats
@@ -17,7 +17,7 @@ from tests.helpers import train_tiny
 
 DATASETS = Path(__file__).resolve().parents[1] / "datasets"
 
-FIGURES = {"tau", "tokens_per_s", "tokens_per_s_median", "speedup", "target_forwards_per_token",
+FIGURES = {"tau", "tau_speculating", "tokens_per_s", "tokens_per_s_median", "speedup", "target_forwards_per_token",
            "outputs_match_vanilla"}
 SETTINGS = {"machine", "threads", "torch", "tree", "max_new_tokens", "temperature", "n_prompts", "target", "drafters",
             "date"}
@@ -108,7 +108,7 @@ def test_bench_end_to_end(tiny, two_prompts, tmp_path):
         assert fig["outputs_match_vanilla"] == 1.0, name
         assert set(fig["per_category"]) == {"writing", "qa"}
         assert all(FIGURES <= set(c) for c in fig["per_category"].values())
-        assert fig["tau"] >= 1.0
+        assert fig["tau_speculating"] >= fig["tau"] >= 1.0
     assert results["methods"]["vanilla"]["speedup"] == 1.0 and results["methods"]["vanilla"]["tau"] == 1.0
     assert (out / "results.png").stat().st_size > 0
     table = (out / "results.md").read_text()
@@ -117,6 +117,18 @@ def test_bench_end_to_end(tiny, two_prompts, tmp_path):
     assert copies["moa"] == 0 < min(copies["eagle+copy"], copies["vanilla+copy"]), copies
     assert len((out / "outputs.jsonl").read_text().splitlines()) == 10
     assert len(read_prompts(out / "prompts.jsonl")) == 2
+
+
+def test_single_tau_speculating_leaves_out_the_plain_rounds():
+    """A drafter that gains 3 tokens a round where it speculates, decoded plainly in half of its rounds, has tau 2
+    over all rounds and 3 where used; one never used has no tau of its own."""
+    def run(rounds: int, plain: int, gained: int) -> Run:
+        return Run("q", "c", "moa", totals={"new_tokens": gained, "total_s": 1.0, "rounds": rounds,
+                                            "plain_rounds": plain, "gained": gained})
+
+    fig = summarize([run(4, 4, 4), run(8, 0, 24)])
+    assert fig["tau"] == 28 / 12 and fig["tau_speculating"] == 3.0 and fig["plain_round_share"] == 4 / 12
+    assert summarize([run(5, 5, 5)])["tau_speculating"] is None
 
 
 def test_link_profiles_and_the_proxy_delays_and_caps():
