@@ -65,13 +65,13 @@ def engine_turn(engine: SpeculativeEngine, seed: int, **gen) -> Turn:
 def summarize(runs: list[Run]) -> dict:
     """The single-device figures beyond tokens/s: tau, target forwards per token, time drafting and verifying,
     rounds decoded plainly, the cost model's prediction."""
-    plain, speculative = total(runs, "plain_rounds"), total(runs, "rounds") - total(runs, "plain_rounds")
-    return {"tau": total(runs, "gained") / max(1, total(runs, "rounds")),
-            "tau_speculating": (total(runs, "gained") - plain) / speculative if speculative else None,
+    rounds, plain = total(runs, "rounds"), total(runs, "plain_rounds")
+    return {"tau": total(runs, "gained") / max(1, rounds),
+            "tau_speculating": (total(runs, "gained") - plain) / (rounds - plain) if rounds > plain else None,
             "target_forwards_per_token": total(runs, "target_forwards") / max(1, total(runs, "new_tokens")),
             "draft_s": total(runs, "draft_s"), "verify_s": total(runs, "verify_s"),
-            "plain_round_share": plain / max(1, total(runs, "rounds")),
-            "copy_round_share": total(runs, "copy_rounds") / max(1, total(runs, "rounds")), **predicted(runs)}
+            "plain_round_share": plain / max(1, rounds),
+            "copy_round_share": total(runs, "copy_rounds") / max(1, rounds), **predicted(runs)}
 
 
 def run_single(

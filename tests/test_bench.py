@@ -120,8 +120,8 @@ def test_bench_end_to_end(tiny, two_prompts, tmp_path):
 
 
 def test_single_tau_speculating_leaves_out_the_plain_rounds():
-    """A drafter that gains 3 tokens a round where it speculates, decoded plainly in half of its rounds, has tau 2
-    over all rounds and 3 where used; one never used has no tau of its own."""
+    """A drafter that gains 3 tokens a round where it speculates, decoded plainly in a third of its rounds, has tau
+    7/3 over all rounds and 3 where used; one never used has no tau of its own."""
     def run(rounds: int, plain: int, gained: int) -> Run:
         return Run("q", "c", "moa", totals={"new_tokens": gained, "total_s": 1.0, "rounds": rounds,
                                             "plain_rounds": plain, "gained": gained})
