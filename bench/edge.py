@@ -26,7 +26,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from bench.prompts import Prompt
-from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
+from bench.runs import Run, Turn, aggregate, machine, now, predicted, rounds_by_tree, run_interleaved, total
 from edge_client.client import EdgeSession, default_bundle
 from moa_core.lookup import COPY_TOKENS
 from server.process import ServerProcess
@@ -113,6 +113,7 @@ def run_edge(methods: list[str], prompts: list[Prompt], max_new_tokens: int, tem
         "providers": {m: sessions[m].step.provider for m in methods if sessions[m].mode != "api"},
         "servers": {d: ("local " if d in local else "") + servers[d] for d in drafters},
         "tree": {m: f"{sessions[m].tree} ({sessions[m].tree_note})" for m in methods if sessions[m].mode != "api"},
+        "rounds_by_tree": rounds_by_tree({m: sessions[m].tuner for m in methods}),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,

@@ -91,7 +91,9 @@ def settings_line(results: dict) -> str:
         return (f"{s['target']} on {s['machine']['processor']} ({s['threads']} threads); {s['n_prompts']} prompts "
                 f"(first turn), link cut after {', '.join(map(str, s['cuts']))} verified tokens, {s['offline_tokens']} "
                 f"offline tokens; guard {guard}; {s['date']}")
-    trees = ", ".join(f"{m} {t}" for m, t in s["tree"].items() if t != "none")
+    used = s.get("rounds_by_tree", {})  # tree auto: the rounds each tree ran
+    trees = ", ".join(f"{m} " + (" / ".join(f"{t} ({n} rounds)" for t, n in used[m].items()) if used.get(m) else t)
+                      for m, t in s["tree"].items() if t != "none")
     run = (f"{s['n_prompts']} prompts, max_new_tokens {s['max_new_tokens']}, temperature {s['temperature']}; "
            f"trees (depth,topk,total): {trees or 'none'}; {s['date']}")
     if kind(results) == "edge":

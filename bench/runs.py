@@ -108,6 +108,12 @@ def aggregate(runs: dict[str, list[Run]], baseline: str, greedy: bool,
     return {m: {**overall[m], "per_category": {c: per_cat[c][m] for c in categories}} for m in runs}
 
 
+def rounds_by_tree(tuners: dict) -> dict[str, dict[str, int]]:
+    """Per method with tree auto, the speculative rounds each tree ran (`TreeTuner` chooses again between
+    generations)."""
+    return {m: {str(t): n for t, n in tuner.observed().items()} for m, tuner in tuners.items() if tuner is not None}
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from bench.prompts import Prompt
-from bench.runs import Run, Turn, aggregate, machine, now, predicted, run_interleaved, total
+from bench.runs import Run, Turn, aggregate, machine, now, predicted, rounds_by_tree, run_interleaved, total
 from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target
@@ -96,6 +96,7 @@ def run_single(
         "dtype": str(target.dtype).removeprefix("torch."),
         "quantize": target.quantize,
         "tree": {m: str(e.tree) if e.tree else "none" for m, e in engines.items()},
+        "rounds_by_tree": rounds_by_tree({m: e.tuner for m, e in engines.items()}),
         "draft_dtype": {m: str(e.step.dtype).removeprefix("torch.") for m, e in engines.items()
                         if isinstance(e.step, TorchDraftStep)},
         "max_new_tokens": max_new_tokens,

@@ -46,7 +46,7 @@ from edge_client.bundle import BUNDLE_FILE, Bundle, BundleError, load_bundle
 from edge_client.core import POLICIES, EdgeCore, EdgeError, Request, State, Stats, common_prefix, token_tensor
 from edge_client.runtime import OrtDraftStep
 from moa_core import protocol as P
-from moa_core.budget import Choice, Costs, Forecast, Pacer, agreement_table, choose, measure_draft, prior_s
+from moa_core.budget import Choice, Costs, Forecast, Pacer, TreeTuner, agreement_table, measure_draft, prior_s
 from moa_core.drafting import OfflineGuard
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.lookup import COPY_TOKENS
@@ -134,22 +134,22 @@ def default_bundle(drafter: str = "moa", dtype: str = "fp32") -> Path:
 
 
 def fit_tree(tree: TreeConfig | str, bundle: Bundle, step: OrtDraftStep, link: Link,
-             rtt: float) -> tuple[TreeConfig, str, Choice | None]:
-    """The draft tree budget, why, and the cost model's prediction (tree auto with the server's costs only).
+             rtt: float) -> tuple[TreeConfig, str, TreeTuner | None]:
+    """The draft tree budget, why, and the cost model's tuner (tree auto with the server's costs only).
     `auto`: the budget with the most predicted tokens/s from the drafter's held-out agreement, this edge's draft
     step time, the server's costs (welcome.costs) and the round trip `rtt` (moa_core/budget.py); without those,
     the budget the exporter measured the bundle's acceptance with.
 
     Either way the tree is cut to the server's max_tree_tokens (root included)."""
-    choice = None
+    tuner = None
     if tree == "auto":
-        tree, why, choice = auto_tree(bundle, step, link, rtt)
+        tree, why, tuner = auto_tree(bundle, step, link, rtt)
     else:
         tree, why = (tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree)), "given"
     max_tree_tokens = link.welcome["limits"]["max_tree_tokens"]
     if tree.total_tokens >= max_tree_tokens:
         tree, why = replace(tree, total_tokens=max_tree_tokens - 1), f"{why}; cut to the server's limit"
-    return tree, why, choice
+    return tree, why, tuner
 
 
 def server_time(msg: P.Message) -> float:
@@ -157,19 +157,21 @@ def server_time(msg: P.Message) -> float:
     return sum(v for v in (msg.fields.get("timings") or {}).values() if isinstance(v, float))
 
 
-def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link, rtt: float) -> tuple[TreeConfig, str, Choice | None]:
+def auto_tree(bundle: Bundle, step: OrtDraftStep, link: Link,
+              rtt: float) -> tuple[TreeConfig, str, TreeTuner | None]:
     costs = link.costs
     if costs and bundle.agreement_topk:
         context = sum(costs.contexts) / 2
         draft_s = measure_draft(step, bundle.row_width, bundle.hidden_size)
-        choice = choose(agreement_table(bundle.agreement_topk), draft_s, costs.verify(context), rtt, costs.row_s,
-                        costs.decode(context))
+        tuner = TreeTuner(agreement_table(bundle.agreement_topk), draft_s, costs.verify(context), rtt, costs.row_s,
+                          costs.decode(context))
+        choice = tuner.choice
         why = (f"auto: {choice.describe()} (server verify round of 1 token {costs.verify(context)[1] * 1e3:.0f} ms, "
                f"decode step {costs.decode(context) * 1e3:.0f} ms, edge draft step {draft_s[1] * 1e3:.1f} ms, "
                f"round trip {rtt * 1e3:.1f} ms)")
         if not choice.pays:
             why += "; predicted slower than the server alone: the server generates (api) until speculation pays"
-        return choice.tree, why, choice
+        return choice.tree, why, tuner
     acc = bundle.meta.get("checks", {}).get("acceptance")
     if acc:
         return TreeConfig.parse(acc["tree"]), f"auto: measured at export, tau {acc['tau_ort']:.2f}", None
@@ -362,6 +364,7 @@ class EdgeSession:
         self.copy_tokens = copy_tokens
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.choice: Choice | None = None  # the cost model's prediction (tree auto)
+        self.tuner: TreeTuner | None = None  # ... which chooses the tree again between generations
         # what generations will take, per mode they run in: the cost model, then what was observed
         self.forecasts = {m: Forecast(lambda p, n, m=m: self.prior_s(m, p, n)) for m in ("api", "speculative")}
         self.pacer: Pacer | None = None  # speculative mode with tree auto: whether to let the server generate
@@ -378,11 +381,9 @@ class EdgeSession:
             self.core.session_id, self.target = self._link.session_id, self._link.welcome["target"]
             self.rtt_s = self._link.round_trip_s()
             if mode == "speculative":  # api mode never drafts: no budget to fit
-                self.tree, self.tree_note, self.choice = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
-                self.core.tree = self.tree
-                # a copy chain grafted onto the tree keeps the verify within the server's limit
-                room = self._link.welcome["limits"]["max_tree_tokens"] - 1 - self.tree.total_tokens
-                self.core.copy_tokens = max(0, min(copy_tokens, room))
+                tree, self.tree_note, self.tuner = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
+                self.choice = self.tuner.choice if self.tuner else None
+                self._use_tree(tree)
                 # a switch to the server alone lasts a whole generation: probe speculation again rarely
                 self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
                 self._paid = self.pacer.pays if self.pacer else True  # the verdict last reported
@@ -459,10 +460,21 @@ class EdgeSession:
             return None
         return prior_s(costs, self.choice, prompt_tokens, new_tokens, plain=mode == "api", link_s=self.rtt_s)
 
+    def _use_tree(self, tree: TreeConfig) -> None:
+        self.tree = self.core.tree = tree
+        # a copy chain grafted onto the tree keeps the verify within the server's limit
+        room = self._link.welcome["limits"]["max_tree_tokens"] - 1 - tree.total_tokens
+        self.core.copy_tokens = max(0, min(self.copy_tokens, room))
+
     def _next_mode(self) -> str:
         """The mode the next generation runs in: api while speculation does not pay, judged for a new prompt by the
-        drafter's long-run acceptance, not by the last reply's final rounds (`Pacer.restart`)."""
+        drafter's long-run acceptance, not by the last reply's final rounds (`Pacer.restart`), with the tree chosen
+        again from the tokens the rounds gained so far (`TreeTuner`)."""
         if self.pacer is not None and self.online:
+            if note := self.tuner.retune(self.pacer):
+                log.info(note)
+                self.choice = self.tuner.choice
+                self._use_tree(self.choice.tree)
             self.pacer.restart()
             if not self.pacer.speculate():
                 return "api"
@@ -638,6 +650,8 @@ class EdgeSession:
         if costs is not None:  # the server's time counts at what it measured at start: its load comes and goes
             predicted = costs.round_target_s(self.length, 1 + len(request.tree.tokens), len(new))
             self.pacer.observe(True, len(new), time.perf_counter() - t, server_time(reply), predicted)
+            if request.tree.sources is None:  # the drafter's tree alone: what the tuner predicts
+                self.tuner.observe(self.tree, len(new))
 
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
         """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""

@@ -199,29 +199,109 @@ class Choice:
                 "drafter")
 
 
+def chain_tau(acc: list[float], depth: int) -> float:
+    """Predicted tokens per round of a tree `depth` deep from one width's per-depth agreement `acc` (depths beyond
+    the record fall by 0.9 each)."""
+    return expected_tau((acc + [acc[-1] * 0.9 ** i for i in range(1, 9)])[:depth])
+
+
+def predict(tree: TreeConfig, agreement: dict[int, list[float]], draft_s: Mapping[int, float],
+            verify_s: Mapping[int, float], link_s: float = 0.0, row_s: float = 0.0, baseline_s: float = 0.0) -> Choice:
+    """What a round of `tree` is predicted to gain and cost."""
+    w, depth = tree.topk, tree.depth
+    tau = chain_tau(agreement[w], depth)
+    seconds = draft_s[1] + (depth - 1) * draft_s[w] + verify_s[1 + depth * w] + (tau - 1) * row_s + link_s
+    return Choice(tree, tau, seconds, baseline_s)
+
+
 def choose(agreement: dict[int, list[float]], draft_s: Mapping[int, float], verify_s: Mapping[int, float],
            link_s: float = 0.0, row_s: float = 0.0, baseline_s: float | None = None) -> Choice:
     """The budget with the most predicted tokens per second among those whose verify size was measured.
 
     `verify_s`: verify round seconds by size, `row_s`: per further accepted token, `baseline_s`: one baseline
     token (default: a verify round of 1)."""
-    best: Choice | None = None
-    for w in WIDTHS:
-        acc = agreement.get(w)
-        if not acc:
-            continue
-        for depth in DEPTHS:
-            n = 1 + depth * w
-            if n not in verify_s:
-                continue
-            tau = expected_tau((acc + [acc[-1] * 0.9 ** i for i in range(1, 9)])[:depth])
-            seconds = draft_s[1] + (depth - 1) * draft_s[w] + verify_s[n] + (tau - 1) * row_s + link_s
-            if best is None or tau / seconds > best.tokens_per_s:
-                best = Choice(TreeConfig(depth, w, depth * w), tau, seconds, 0.0)
-    if best is None:
+    baseline_s = verify_s[1] if baseline_s is None else baseline_s
+    candidates = [predict(TreeConfig(depth, w, depth * w), agreement, draft_s, verify_s, link_s, row_s, baseline_s)
+                  for w in WIDTHS if agreement.get(w) for depth in DEPTHS if 1 + depth * w in verify_s]
+    if not candidates:
         raise ValueError("no candidate tree: no measured verify size fits")
-    best.baseline_s = verify_s[1] if baseline_s is None else baseline_s
-    return best
+    return max(candidates, key=lambda c: c.tokens_per_s)  # the first of equals: the smallest width, then depth
+
+
+class TreeTuner:
+    """Tree auto's budget, chosen again from what rounds gain.
+
+    The drafter's held-out agreement predicts tokens per round that a deployment's prompts need not give (s18: MoA
+    4,8,32 predicted 3.38 and gained 2.95). `observe` records each speculative round of a tuned tree; `rechoose`
+    scales the agreement table by the one factor that makes it predict the tokens per round observed so far, over
+    every tree tried (the start-up prediction counting as `prior_rounds` rounds of the first), and picks the budget
+    again with it and the verify round as re-timed (`Pacer.verify_scale`). The factor stays at most 1: rounds of a
+    shallow tree that beat the table say nothing about deeper drafts, and a table scaled up from them would send a
+    deep tree. It keeps the current tree unless another is predicted faster by `margin`, so that near-equal
+    budgets do not flap. Call it between generations: the Pacer's rates are per tree (`Pacer.retarget`)."""
+
+    def __init__(self, agreement: dict[int, list[float]], draft_s: Mapping[int, float],
+                 verify_s: Mapping[int, float], link_s: float = 0.0, row_s: float = 0.0,
+                 baseline_s: float | None = None, prior_rounds: int = 32, margin: float = 0.03):
+        self.agreement, self.draft_s, self.verify_s = agreement, dict(draft_s), dict(verify_s)
+        self.link_s, self.row_s, self.margin = link_s, row_s, margin
+        self.baseline_s = verify_s[1] if baseline_s is None else baseline_s
+        self.choice = choose(agreement, draft_s, verify_s, link_s, row_s, self.baseline_s)
+        self.prior_rounds = prior_rounds
+        self._seen = {self.choice.tree: [self.choice.tau * prior_rounds, float(prior_rounds)]}  # tokens, rounds
+
+    def observed(self) -> dict[TreeConfig, int]:
+        """Rounds observed, by tree."""
+        first = next(iter(self._seen))
+        counts = {tree: round(n) - (self.prior_rounds if tree == first else 0) for tree, (_, n) in self._seen.items()}
+        return {tree: n for tree, n in counts.items() if n}
+
+    def observe(self, tree: TreeConfig, tokens: int) -> None:
+        """A speculative round of `tree` (drafter only: no copy chain grafted on) gained `tokens`, bonus included."""
+        seen = self._seen.setdefault(tree, [0.0, 0.0])
+        seen[0] += tokens
+        seen[1] += 1
+
+    def scaled(self, factor: float) -> dict[int, list[float]]:
+        return {w: [min(0.99, a * factor) for a in acc] for w, acc in self.agreement.items()}
+
+    def scale(self) -> float:
+        """The factor (at most 1) on every agreement that makes the table predict the tokens observed (bisection:
+        the predicted tokens rise with it; at 0 every round gains the root alone)."""
+        tokens = sum(t for t, _ in self._seen.values())
+
+        def predicted(factor: float) -> float:
+            table = self.scaled(factor)
+            return sum(n * chain_tau(table[tree.topk], tree.depth) for tree, (_, n) in self._seen.items())
+
+        lo, hi = 0.0, 1.0
+        if predicted(hi) <= tokens:
+            return hi
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) < tokens else (lo, mid)
+        return (lo + hi) / 2
+
+    def rechoose(self, verify_scale: float = 1.0) -> Choice:
+        """The budget for the next generation (`choice`, updated): the current one unless another is predicted
+        faster by `margin` with the scaled table and verify rounds taking `verify_scale` x their measured time."""
+        table = self.scaled(self.scale())
+        verify = {n: s * verify_scale for n, s in self.verify_s.items()}
+        args = (self.draft_s, verify, self.link_s, self.row_s, self.baseline_s)
+        best, now = choose(table, *args), predict(self.choice.tree, table, *args)
+        self.choice = best if best.tokens_per_s > now.tokens_per_s * (1 + self.margin) else now
+        return self.choice
+
+    def retune(self, pacer: Pacer) -> str | None:
+        """Between generations: choose again (`rechoose`, the verify round as `pacer` re-timed it); when the tree
+        changes, the pacer follows it and what to tell the user is returned."""
+        tree = self.choice.tree
+        choice = self.rechoose(pacer.verify_scale)
+        if choice.tree == tree:
+            return None
+        pacer.retarget(choice)
+        return f"tree auto: {choice.describe()}, chosen again from the rounds so far (held-out agreement x " \
+               f"{self.scale():.2f})"
 
 
 def prior_s(costs: Costs, choice: Choice | None, prompt_tokens: int, new_tokens: int, plain: bool = False,
@@ -272,15 +352,21 @@ class Pacer:
     def __init__(self, choice: Choice, weight: float = 0.1, probe_after: int = 256, margin: float = 0.1,
                  retime_after: int | None = None, retime_weight: float = 0.3, prior_rounds: int = 32):
         self.weight, self.probe_after, self.margin = weight, probe_after, margin
-        self.retime_after, self.retime_weight = retime_after, retime_weight
-        self._spec = [choice.tau, choice.round_s]  # weighted tokens, seconds
-        self._accepted = [choice.tau * prior_rounds, float(prior_rounds)]  # all speculative rounds' tokens, rounds
-        self._base = [1.0, choice.baseline_s]
+        self.retime_after, self.retime_weight, self.prior_rounds = retime_after, retime_weight, prior_rounds
+        self._base = [1.0, choice.baseline_s]  # weighted tokens, seconds
+        self.retarget(choice)
         self._since_probe = 0
         self._rounds = 0  # speculative rounds since the last baseline step
         self._last: tuple[bool, float] | None = None  # the last observation's mode and observed/predicted target
         self.verify_scale = 1.0  # a verify round's target time as re-timed, over its predicted time
-        self.pays = choice.pays
+
+    def retarget(self, choice: Choice) -> None:
+        """Speculate with `choice`'s budget from now on (`TreeTuner`): speculation's tokens and seconds per round,
+        and its long-run tokens per round, start again at its prediction; the baseline and the re-timing stay."""
+        self._spec = [choice.tau, choice.round_s]  # weighted tokens, seconds
+        self._accepted = [choice.tau * self.prior_rounds, float(self.prior_rounds)]  # all rounds' tokens, rounds
+        spec, base = self.rates()
+        self.pays = spec >= base
 
     def rates(self) -> tuple[float, float]:
         """Current estimates: speculative and baseline tokens per second (with the target as fast as measured)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moa_core.budget import (MAX_TREE, Choice, Costs, agreement_table, by_size, choose, time_call, time_interleaved,
+from moa_core.budget import (MAX_TREE, Costs, TreeTuner, agreement_table, by_size, time_call, time_interleaved,
                              verify_probes)
 from moa_core.tree import DraftTree
 from models.target import Target, TargetStep
@@ -56,13 +56,15 @@ def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Co
     return Costs(list(CONTEXTS), verify_s, decode_s, max(0.0, (five - one) / 4), prefill_s, prompt_rows_s)
 
 
-def auto_tree(engine, verbose: bool = True) -> Choice:
-    """Measure the target and the drafter on this machine and pick the budget (printed when `verbose`)."""
+def auto_tree(engine, verbose: bool = True) -> TreeTuner:
+    """Measure the target and the drafter on this machine and pick the budget (printed when `verbose`); the tuner
+    chooses it again from the rounds observed."""
     costs = engine.costs
     context = sum(CONTEXTS) / 2
     draft_s = engine.draft_s
-    choice = choose(agreement_table(engine.drafter.agreement_topk), draft_s, costs.verify(context),
-                    row_s=costs.row_s, baseline_s=costs.decode(context))
+    tuner = TreeTuner(agreement_table(engine.drafter.agreement_topk), draft_s, costs.verify(context),
+                      row_s=costs.row_s, baseline_s=costs.decode(context))
+    choice = tuner.choice
     if verbose:
         print(f"tree auto: {choice.describe()} (verify round of 1 token {costs.verify(context)[1] * 1e3:.0f} ms, "
               f"decode step {costs.decode(context) * 1e3:.0f} ms, draft step {draft_s[1] * 1e3:.1f} ms)", flush=True)
@@ -70,4 +72,4 @@ def auto_tree(engine, verbose: bool = True) -> Choice:
             print("tree auto: with this drafter's measured acceptance, speculation is predicted to be slower than "
                   "vanilla decoding on this machine: decoding plainly, trying speculation again now and then",
                   flush=True)
-    return choice
+    return tuner

@@ -17,7 +17,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, measure_draft, prior_s
+from moa_core.budget import WIDTHS, Choice, Costs, Forecast, Pacer, TreeTuner, measure_draft, prior_s
 from moa_core.drafting import DraftSession, DraftStep
 from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.lookup import COPY_TOKENS, copy_chain
@@ -127,7 +127,8 @@ class SpeculativeEngine:
     With `tree="auto"` the budget comes from the cost model (models/costmodel.py), and a `Pacer` decides round by
     round whether speculation pays: when it is predicted or observed not to, the engine decodes plainly (one
     target forward per token), tries a speculative round again now and then, and says when the verdict changes;
-    each generation starts from the drafter's long-run acceptance (`Pacer.restart`: it depends on the prompt); while
+    each generation starts from the drafter's long-run acceptance (`Pacer.restart`: it depends on the prompt), with
+    the tree chosen again from the tokens the rounds gained so far (`TreeTuner`); while
     speculating, one round in RETIME_AFTER decodes plainly, so that a verify round and a decode step are
     re-timed side by side, under the same load (a start-up timing thrown off by a load spike is corrected).
     `predict_s` is what a generation is expected to take: the cost model's figures, refreshed by the generations
@@ -172,6 +173,7 @@ class SpeculativeEngine:
         self._copy_pacer: Pacer | None = None
         self._draft_s: dict[int, float] | None = None
         self.choice: Choice | None = None  # the cost model's prediction for tree auto with a neural drafter
+        self.tuner: TreeTuner | None = None  # ... which chooses the tree again between generations
         self.pacer: Pacer | None = None
         if tree == "auto" and drafter is not None:
             if self.proposer is not None:
@@ -183,7 +185,8 @@ class SpeculativeEngine:
             else:
                 from models.costmodel import auto_tree
 
-                self.choice = auto_tree(self)
+                self.tuner = auto_tree(self)
+                self.choice = self.tuner.choice
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice, retime_after=RETIME_AFTER)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
@@ -268,11 +271,15 @@ class SpeculativeEngine:
         g = torch.Generator(device=self.target.device)
         g.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
         rng = np.random.default_rng(seed)
-        stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
         checker = StopRule(self.target.eos_token_ids, self.target.tokenizer.decode, stop)
-        forecast = self.forecast.copy()  # what was predicted before this generation
+        if self.tuner is not None and (note := self.tuner.retune(self.pacer)):
+            log.info(note)
+            self.choice = self.tuner.choice
+            self.tree = self.choice.tree
         if self.pacer is not None:
             self.pacer.restart()  # whether drafts are accepted depends on the prompt: the verdict is taken again
+        forecast = self.forecast.copy()  # what was predicted before this generation
+        stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
         ids = self.encode(prompt)
         t0 = time.perf_counter()
         runner = self.target.new_runner(self.batcher)
@@ -315,6 +322,8 @@ class SpeculativeEngine:
             if self.pacer is not None and not copy:
                 predicted = (self.costs.round_target_s(context, size, len(new)) if speculate
                              else self.costs.decode(context))
+                if speculate and self.tuner is not None:
+                    self.tuner.observe(self.tree, len(new))
                 self.pacer.observe(speculate, len(new), time.perf_counter() - t, stats.verify_s - target_s, predicted)
                 if self.pacer.pays != self._said:
                     self._said = self.pacer.pays

@@ -162,6 +162,44 @@ def test_pacer_retimes_a_verify_round_against_a_decode_step():
     assert loaded.pays and loaded.verify_scale == pytest.approx(1.0)
 
 
+def test_tree_tuner_follows_the_tokens_rounds_gain():
+    """Where every verified token costs, the held-out table picks a tree 3 deep and 4 wide; rounds that gain less than
+    it predicts make the tuner scale the table down until it predicts them, and choose a smaller tree, which
+    is then predicted faster than the first at the scaled rates. Rounds that gain what was predicted change
+    nothing."""
+    from moa_core.budget import Pacer, TreeTuner, predict
+
+    steep = {n: 0.004 + 0.0001 * n for n in tree_sizes()}
+    tuner = TreeTuner(AGREEMENT, DRAFT, steep, baseline_s=0.005)
+    first = tuner.choice
+    pacer = Pacer(first)
+    low = int(first.tau)
+    for i in range(200):  # rounds that gain what it predicted, on average
+        tuner.observe(first.tree, low + (i < 200 * (first.tau - low)))
+    assert tuner.scale() == pytest.approx(1.0, abs=0.05) and tuner.retune(pacer) is None
+    assert tuner.choice.tree == first.tree and tuner.observed() == {first.tree: 200}
+    for _ in range(200):  # rounds that beat the table: it stays the ceiling (they say nothing of deeper drafts)
+        tuner.observe(first.tree, first.tree.depth + 1)
+    assert tuner.scale() == 1.0 and tuner.retune(pacer) is None
+
+    tuner = TreeTuner(AGREEMENT, DRAFT, steep, baseline_s=0.005)
+    for _ in range(400):
+        tuner.observe(first.tree, 2)  # 2 tokens a round, far below the prediction
+    note = tuner.retune(pacer)
+    second = tuner.choice
+    assert note and str(second.tree.depth) in note and tuner.scale() < 0.8
+    assert 1 + second.tree.total_tokens < 1 + first.tree.total_tokens
+    table = tuner.scaled(tuner.scale())
+    assert predict(first.tree, table, DRAFT, steep).tau == pytest.approx((400 * 2 + 32 * first.tau) / 432, rel=0.01)
+    assert second.tokens_per_s > predict(first.tree, table, DRAFT, steep).tokens_per_s
+    assert pacer.rates()[0] == pytest.approx(second.tokens_per_s)  # the pacer follows the new tree
+
+    again = TreeTuner(AGREEMENT, DRAFT, steep, baseline_s=0.005, margin=10.0)  # nothing is 10x faster: it stays
+    for _ in range(400):
+        again.observe(first.tree, 2)
+    assert again.retune(Pacer(first)) is None and again.choice.tree == first.tree
+
+
 def test_costs_travel_and_interpolate():
     from moa_core.budget import Costs
 

@@ -95,6 +95,10 @@ def test_tree_auto_weighs_server_and_edge_costs(env, reference):
         predicted = s.predict_s(len(s.encode(PROMPT)), NEW)
         assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
         assert predicted > 0 and s.stats.predicted_s == pytest.approx(predicted, rel=0.3)  # made before it
+        # the tuner saw every round of the drafter's tree alone, and the next reply runs the tree it holds then
+        assert sum(s.tuner.observed().values()) == s.stats.verify_calls - s.stats.copy_rounds > 0
+        assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
+        assert s.stats.tree == str(s.tree) == str(s.tuner.choice.tree) and s.core.tree == s.tree
 
 
 def test_edge_lets_the_server_generate_while_speculation_does_not_pay(env, reference, caplog):

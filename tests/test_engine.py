@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from moa_core.budget import tree_sizes
 from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree, graft
 from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine, TorchDraftStep
@@ -215,6 +216,27 @@ def test_engine_decodes_plainly_while_speculation_does_not_pay(tiny, drafters, c
         spec.pacer.observe(True, 8, 1e-5)
     out = spec.generate(prompt, max_new_tokens=30)
     assert out.token_ids == want and out.stats.plain_rounds < len(out.stats.acceptance_lengths)
+
+
+def test_tree_auto_is_chosen_again_from_the_rounds(tiny, drafters):
+    """Each generation runs the tree the tuner holds when it starts; every speculative round of the drafter is
+    observed; outputs stay lossless whatever the tree. Costs where speculation always pays: a verify round
+    cheap against a decode step."""
+    from moa_core.budget import Costs
+
+    verify = {n: 0.001 + 0.0001 * n for n in tree_sizes()}
+    costs = Costs([128, 512], [verify, verify], [0.01, 0.01], 0.0, 0.0, 0.0)
+    spec = SpeculativeEngine(tiny, drafters["moa"], tree="auto", copy_tokens=0, costs=costs)
+    vanilla = SpeculativeEngine(tiny, None)
+    rounds = 0
+    for seed in range(4):
+        prompt = greedy_continuations(tiny, 1, seed=seed)[0].ids[:6]
+        out = spec.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == vanilla.generate(prompt, max_new_tokens=40).token_ids
+        assert out.stats.tree == str(spec.tree) == str(spec.tuner.choice.tree) == str(spec.choice.tree)
+        rounds += len(out.stats.acceptance_lengths) - out.stats.plain_rounds
+        assert sum(spec.tuner.observed().values()) == rounds > 0
+    assert 0 < spec.tuner.scale() <= 1
 
 
 def test_stop_strings_and_streaming(tiny):
