@@ -5,8 +5,8 @@ Tokens per second of a tree with depth D and frontier width k is tau(D, k) / rou
 tau(D, k) = 1 + sum_{d<=D} prod_{j<=d} a_j(k) uses the drafter's held-out top-k agreement per depth (from its
 training record) and the round time is
 - the draft: one priming call plus D-1 calls over k frontier nodes;
-- the verify round on the target's side over 1 + D*k tokens, everything included: the forward, the LM head on
-  the rows the acceptance walk reads, keeping the accepted path, the memory rows of the root, plus `row_s` for
+- the verify round on the target's side over 1 + D*k tokens, everything included: the forward, the LM head over
+  the tree's rows, keeping the accepted path, the memory rows of the root, plus `row_s` for
   each further accepted token (`Costs`, measured at two context lengths and interpolated);
 - one round trip between an edge and a server (0 on one device).
 The baseline makes one token per plain decode step (`Costs.decode_s`): vanilla decoding, or the server alone (api).

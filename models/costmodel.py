@@ -20,9 +20,9 @@ def _slice(step: TargetStep, start: int, end: int) -> TargetStep:
 
 def measure_costs(target: Target, memory_head=None, limit: int = MAX_TREE) -> Costs:
     """Time what rounds cost on this target: verify rounds as the engine and the server run them (tree forward,
-    LM head rows, keep, the root's memory rows when `memory_head` is given), plain decode steps, memory rows per
-    token and the prefill, at each of CONTEXTS. Decode steps and verify rounds are timed in turns: what decides
-    the budget is their ratio."""
+    the LM head over every row, keep, the root's memory rows when `memory_head` is given), plain decode steps,
+    memory rows per token and the prefill, at each of CONTEXTS. Decode steps and verify rounds are timed in turns:
+    what decides the budget is their ratio."""
     ids = [10 + i % (target.spec.vocab_size - 10) for i in range(max(CONTEXTS) + limit)]  # any in-vocabulary ids
 
     def rows(step: TargetStep, start: int) -> None:
