@@ -100,6 +100,7 @@ def test_bench_end_to_end(tiny, two_prompts, tmp_path):
     assert SETTINGS <= set(settings) and settings["n_prompts"] == 2
     assert settings["tree"] == {"vanilla": "none", "lookup": "4,2,8", "moa": "4,2,8", "vanilla+copy": "none",
                                 "eagle+copy": "4,2,8"}
+    assert settings["rounds_by_tree"] == {}  # given trees are not tuned
     assert {"platform", "processor", "cpu_count"} <= set(settings["machine"])
     assert set(settings["drafters"]) == {"moa", "eagle"}
     assert list(results["methods"]) == ["vanilla", "lookup", "moa", "vanilla+copy", "eagle+copy"]
@@ -129,6 +130,17 @@ def test_single_tau_speculating_leaves_out_the_plain_rounds():
     fig = summarize([run(4, 4, 4), run(8, 0, 24)])
     assert fig["tau"] == 28 / 12 and fig["tau_speculating"] == 3.0 and fig["plain_round_share"] == 4 / 12
     assert summarize([run(5, 5, 5)])["tau_speculating"] is None
+
+
+def test_the_report_names_the_rounds_each_tuned_tree_ran():
+    from bench.report import settings_line
+
+    settings = {"benchmark": "single", "target": "t", "machine": {"processor": "cpu"}, "threads": 1, "device": "cpu",
+                "dtype": "float32", "torch": "2", "n_prompts": 8, "max_new_tokens": 128, "temperature": 0.0,
+                "date": "today", "tree": {"vanilla": "none", "eagle": "4,4,16", "moa": "3,4,12"},
+                "rounds_by_tree": {"moa": {"4,8,32": 12, "3,4,12": 30}}}
+    assert "trees (depth,topk,total): eagle 4,4,16, moa 4,8,32 (12 rounds) / 3,4,12 (30 rounds);" in \
+        settings_line({"settings": settings})
 
 
 def test_link_profiles_and_the_proxy_delays_and_caps():
