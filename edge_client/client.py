@@ -363,8 +363,7 @@ class EdgeSession:
         self.offline_temperature = offline_temperature
         self.copy_tokens = copy_tokens
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
-        self.choice: Choice | None = None  # the cost model's prediction (tree auto)
-        self.tuner: TreeTuner | None = None  # ... which chooses the tree again between generations
+        self.tuner: TreeTuner | None = None  # tree auto: chooses the tree again between generations
         # what generations will take, per mode they run in: the cost model, then what was observed
         self.forecasts = {m: Forecast(lambda p, n, m=m: self.prior_s(m, p, n)) for m in ("api", "speculative")}
         self.pacer: Pacer | None = None  # speculative mode with tree auto: whether to let the server generate
@@ -382,7 +381,6 @@ class EdgeSession:
             self.rtt_s = self._link.round_trip_s()
             if mode == "speculative":  # api mode never drafts: no budget to fit
                 tree, self.tree_note, self.tuner = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
-                self.choice = self.tuner.choice if self.tuner else None
                 self._use_tree(tree)
                 # a switch to the server alone lasts a whole generation: probe speculation again rarely
                 self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
@@ -396,6 +394,11 @@ class EdgeSession:
     @property
     def online(self) -> bool:
         return self._link is not None
+
+    @property
+    def choice(self) -> Choice | None:
+        """The cost model's prediction for the current tree (tree auto with the server's costs)."""
+        return self.tuner.choice if self.tuner is not None else None
 
     @property
     def session_id(self) -> str | None:
@@ -473,7 +476,6 @@ class EdgeSession:
         if self.pacer is not None and self.online:
             if note := self.tuner.retune(self.pacer):
                 log.info(note)
-                self.choice = self.tuner.choice
                 self._use_tree(self.choice.tree)
             self.pacer.restart()
             if not self.pacer.speculate():

@@ -247,18 +247,18 @@ class TreeTuner:
         self.link_s, self.row_s, self.margin = link_s, row_s, margin
         self.baseline_s = verify_s[1] if baseline_s is None else baseline_s
         self.choice = choose(agreement, draft_s, verify_s, link_s, row_s, self.baseline_s)
-        self.prior_rounds = prior_rounds
-        self._seen = {self.choice.tree: [self.choice.tau * prior_rounds, float(prior_rounds)]}  # tokens, rounds
+        self.factor = 1.0  # the scale the last `rechoose` took
+        # (tree, tokens, rounds): the start-up prediction as `prior_rounds` rounds of the first tree
+        self._prior = (self.choice.tree, self.choice.tau * prior_rounds, prior_rounds)
+        self._seen: dict[TreeConfig, list[int]] = {}  # observed: tree -> [tokens, rounds]
 
     def observed(self) -> dict[TreeConfig, int]:
         """Rounds observed, by tree."""
-        first = next(iter(self._seen))
-        counts = {tree: round(n) - (self.prior_rounds if tree == first else 0) for tree, (_, n) in self._seen.items()}
-        return {tree: n for tree, n in counts.items() if n}
+        return {tree: rounds for tree, (_, rounds) in self._seen.items()}
 
     def observe(self, tree: TreeConfig, tokens: int) -> None:
         """A speculative round of `tree` (drafter only: no copy chain grafted on) gained `tokens`, bonus included."""
-        seen = self._seen.setdefault(tree, [0.0, 0.0])
+        seen = self._seen.setdefault(tree, [0, 0])
         seen[0] += tokens
         seen[1] += 1
 
@@ -268,11 +268,12 @@ class TreeTuner:
     def scale(self) -> float:
         """The factor (at most 1) on every agreement that makes the table predict the tokens observed (bisection:
         the predicted tokens rise with it; at 0 every round gains the root alone)."""
-        tokens = sum(t for t, _ in self._seen.values())
+        records = [self._prior] + [(tree, t, n) for tree, (t, n) in self._seen.items()]
+        tokens = sum(t for _, t, _ in records)
 
         def predicted(factor: float) -> float:
             table = self.scaled(factor)
-            return sum(n * chain_tau(table[tree.topk], tree.depth) for tree, (_, n) in self._seen.items())
+            return sum(n * chain_tau(table[tree.topk], tree.depth) for tree, _, n in records)
 
         lo, hi = 0.0, 1.0
         if predicted(hi) <= tokens:
@@ -285,7 +286,8 @@ class TreeTuner:
     def rechoose(self, verify_scale: float = 1.0) -> Choice:
         """The budget for the next generation (`choice`, updated): the current one unless another is predicted
         faster by `margin` with the scaled table and verify rounds taking `verify_scale` x their measured time."""
-        table = self.scaled(self.scale())
+        self.factor = self.scale()
+        table = self.scaled(self.factor)
         verify = {n: s * verify_scale for n, s in self.verify_s.items()}
         args = (self.draft_s, verify, self.link_s, self.row_s, self.baseline_s)
         best, now = choose(table, *args), predict(self.choice.tree, table, *args)
@@ -301,7 +303,7 @@ class TreeTuner:
             return None
         pacer.retarget(choice)
         return f"tree auto: {choice.describe()}, chosen again from the rounds so far (held-out agreement x " \
-               f"{self.scale():.2f})"
+               f"{self.factor:.2f})"
 
 
 def prior_s(costs: Costs, choice: Choice | None, prompt_tokens: int, new_tokens: int, plain: bool = False,

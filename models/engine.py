@@ -172,8 +172,7 @@ class SpeculativeEngine:
         self._costs: Costs | None = costs
         self._copy_pacer: Pacer | None = None
         self._draft_s: dict[int, float] | None = None
-        self.choice: Choice | None = None  # the cost model's prediction for tree auto with a neural drafter
-        self.tuner: TreeTuner | None = None  # ... which chooses the tree again between generations
+        self.tuner: TreeTuner | None = None  # tree auto with a neural drafter: chooses the tree between generations
         self.pacer: Pacer | None = None
         if tree == "auto" and drafter is not None:
             if self.proposer is not None:
@@ -186,13 +185,17 @@ class SpeculativeEngine:
                 from models.costmodel import auto_tree
 
                 self.tuner = auto_tree(self)
-                self.choice = self.tuner.choice
                 tree = self.choice.tree
                 self.pacer = Pacer(self.choice, retime_after=RETIME_AFTER)
         self._said = self.pacer.pays if self.pacer else True  # the pacer's verdict last said
         self._warned = False  # the first verdict change is said as a warning, later ones (each prompt may flip it) as info
         self.forecast = Forecast(self.prior_s)
         self.tree = tree if isinstance(tree, TreeConfig) else TreeConfig.parse(tree) if drafter else None
+
+    @property
+    def choice(self) -> Choice | None:
+        """The cost model's prediction for the current tree (tree auto with a neural drafter)."""
+        return self.tuner.choice if self.tuner is not None else None
 
     @property
     def costs(self) -> Costs:
@@ -274,7 +277,6 @@ class SpeculativeEngine:
         checker = StopRule(self.target.eos_token_ids, self.target.tokenizer.decode, stop)
         if self.tuner is not None and (note := self.tuner.retune(self.pacer)):
             log.info(note)
-            self.choice = self.tuner.choice
             self.tree = self.choice.tree
         if self.pacer is not None:
             self.pacer.restart()  # whether drafts are accepted depends on the prompt: the verdict is taken again
