@@ -59,7 +59,12 @@ def iter_jsonl(path: str | Path) -> Iterator[dict]:
 
 
 def iter_source(source: str) -> Iterator[dict]:
-    return iter_sharegpt() if source == "sharegpt" else iter_jsonl(source)
+    """Conversations of 'sharegpt' (the wheel) or of a jsonl file."""
+    if source == "sharegpt":
+        return iter_sharegpt()
+    if not Path(source).is_file():
+        raise FileNotFoundError(f"no conversations file at {source} (give a jsonl, .gz or not, or a built-in source)")
+    return iter_jsonl(source)
 
 
 def normalize(sample: dict) -> list[dict] | str:

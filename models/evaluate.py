@@ -16,6 +16,7 @@ first, as the edge receives it in client-server mode:
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from moa_core import protocol
 from moa_core.budget import expected_tau
 from models.data import DataStats, Encoded, as_encoded, encode_samples, iter_source, write_json
 from models.drafter import Drafter
-from models.registry import load_drafter, load_target
+from models.registry import LOAD_ERRORS, load_drafter, load_target
 from models.target import Target
 
 ROWS = ("fp32",) + protocol.ROW_DTYPES
@@ -142,16 +143,24 @@ def main(argv=None) -> dict:
     if bad := [c for c in codecs if c not in ROWS]:
         p.error(f"--rows: unknown {bad}, choose from {ROWS}")
     torch.set_num_threads(args.threads)
+    try:
+        return evaluate(args, codecs)
+    except LOAD_ERRORS as e:
+        sys.exit(f"error: {e}")
+
+
+def evaluate(args: argparse.Namespace, codecs: list[str]) -> dict:
+    """Each drafter of `args.drafter` on the held-out answers, the first one paired against the others."""
     target = load_target(args.target)
+    drafters = {path: load_drafter(path, target) for path in args.drafter}  # a bad path fails before any work
     stats = DataStats()
     rows = encode_samples(iter_source(args.heldout), target.tokenizer, args.max_len, stats, args.samples)
     if not rows:
-        p.error(f"--heldout {args.heldout}: no usable conversation ({stats.summary()})")
+        sys.exit(f"error: --heldout {args.heldout}: no usable conversation ({stats.summary()})")
     samples = as_encoded(rows)
     results: dict = {"heldout": args.heldout, "samples": len(samples), "data": stats.summary(), "drafters": {},
                      "comparisons": {}}
-    for path in args.drafter:
-        drafter = load_drafter(path, target)
+    for path, drafter in drafters.items():
         for codec in codecs:
             ev = chain_agreement(drafter, target, samples, args.depth, args.sync_every, args.max_len, codec)
             results["drafters"].setdefault(path, {})[codec] = ev

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -28,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from models.data import humaneval_chats, iter_source, normalize
-from models.registry import load_target
+from models.registry import LOAD_ERRORS, load_target
 
 ONPOLICY_PREFIX = "onpolicy-"
 
@@ -144,18 +145,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = load_target(args.target, quantize=args.quantize)
-    tok = target.tokenizer
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    suffix = f"@t{args.temperature:g}" if args.temperature > 0 else ""
-    done = {json.loads(line)["id"] for line in open(out)} if out.exists() else set()
-    exclude = read_ids(args.exclude) | {i.removesuffix(suffix) for i in done if i.endswith(suffix)}
-    todo = []
-    for item in prompts(args.source, tok, args.max_prompt_tokens, exclude):
-        if len(done) + len(todo) >= args.n:
-            break
-        todo.append(item)
+    try:  # the target and the prompts: a bad name or path says so before any work
+        target = load_target(args.target, quantize=args.quantize)
+        tok = target.tokenizer
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        suffix = f"@t{args.temperature:g}" if args.temperature > 0 else ""
+        done = {json.loads(line)["id"] for line in open(out)} if out.exists() else set()
+        exclude = read_ids(args.exclude) | {i.removesuffix(suffix) for i in done if i.endswith(suffix)}
+        todo = []
+        for item in prompts(args.source, tok, args.max_prompt_tokens, exclude):
+            if len(done) + len(todo) >= args.n:
+                break
+            todo.append(item)
+    except LOAD_ERRORS as e:
+        sys.exit(f"error: {e}")
     # similar lengths batch with little padding; sorting within chunks keeps a stopped run a fair sample
     chunk = 16 * args.batch_size
     todo = [x for i in range(0, len(todo), chunk) for x in sorted(todo[i : i + chunk], key=lambda x: len(x[2]))]

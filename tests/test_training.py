@@ -364,3 +364,27 @@ def test_evaluate_scores_drafters_through_the_wire_codec(tiny, tiny_moa, tmp_pat
     assert json.loads((tmp_path / "eval.json").read_text()) == out
     with pytest.raises(SystemExit):
         evaluate_main(["--target", "tiny", "--drafter", moa, "--heldout", str(convs), "--rows", "bf16"])
+
+
+def test_the_training_clis_say_what_is_wrong_before_any_work(tmp_path, capsys):
+    """A missing source, a drafter path that is not one or a drafter of another target: `error: ...` and the exit,
+    not a traceback, and not after a first drafter was evaluated (evaluate loads every drafter first)."""
+    from models.evaluate import main as evaluate_main
+    from models.registry import load_target
+
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(SystemExit, match=f"error: no conversations file at {missing}"):
+        regenerate_main(["--target", "tiny", "--source", missing, "--out", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+    with pytest.raises(SystemExit, match="error: no conversations file"):
+        train_main(["--target", "tiny", "--arch", "moa", "--data", str(tmp_path / "data"), "--source", missing,
+                    "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        train_main(["--target", "tiny", "--arch", "medusa", "--out", str(tmp_path / "run")])
+    build_drafter("moa", load_target("tiny")).save_pretrained(tmp_path / "good")
+    build_drafter("moa", load_target("tiny:1")).save_pretrained(tmp_path / "other")  # trained for another target
+    with pytest.raises(SystemExit, match="error: .*not a directory"):
+        evaluate_main(["--target", "tiny", "--drafter", str(tmp_path / "good"), str(tmp_path / "nothing")])
+    assert "expected tau" not in capsys.readouterr().out  # nothing was evaluated
+    with pytest.raises(SystemExit, match="error: drafter .* was trained for target 'tiny-llama-1'"):
+        evaluate_main(["--target", "tiny", "--drafter", str(tmp_path / "other")])
