@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", nargs="+", required=True, help="training output directories (models.train --out)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()]:
+        p.error(f"not a training output directory (no train_config.json): {', '.join(missing)}")
     curves = [run_curve(Path(r)) for r in args.runs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -174,6 +174,17 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     assert d.config.lsa_skip_layers == 1 and 5e-4 < d.lsa_skip.weight.abs().max().item() < 2e-3
     assert d.config.fused_memory == "hidden" and 5e-4 < d.fuse.weight.abs().max().item() < 2e-3
 
+    # the campaign's curves: the continued run starts where the drafter it continued ended
+    from bench.campaign import main as campaign_main
+
+    campaign_main(["--runs", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "campaign")])
+    a, b = json.loads((tmp_path / "campaign/campaign.json").read_text())
+    assert b["prior"]["tokens"] == a["final"]["tokens"] > 0 and len(b["legs"]) == 2
+    assert [leg["tokens"] for leg in b["legs"]] == [a["final"]["tokens"], b["final"]["tokens"]]
+    assert (tmp_path / "campaign/campaign.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        campaign_main(["--runs", str(tmp_path / "data"), "--out", str(tmp_path / "campaign")])
+
 
 def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
     """--sync-weight w adds w x the loss of every response position whose CA sees the memory row of the position
