@@ -7,12 +7,18 @@ Periodic evaluations (`--eval-samples` conversations) are the thin lines; the fi
 (eval.json, `--final-eval-samples`) is a star, joined to the final evaluations of the legs its training record
 lists before it (the earlier legs of the drafter it continued). Writes
 campaign.json and campaign.png.
+
+How far off a goal is: over the legs scored on the same held-out set as the last one, expected tau is fitted
+against the logarithm of the tokens seen (least squares, the dashed line), which gives the gain per doubling of
+the training data and the tokens at which the fit reaches `--goal`. It is an extrapolation of the campaign so far
+(same drafters, same kind of data, same recipe), not a promise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from models.defaults import resolve_drafter_path
@@ -45,18 +51,50 @@ def run_curve(run: Path) -> dict:
         for leg in record.get("legs", []):  # every leg's final evaluation, at the tokens seen by its end
             tokens, wall_s = tokens + leg["tokens"], wall_s + leg["wall_time_s"]
             if leg["steps"] and leg.get("heldout"):
-                legs.append({"tokens": tokens, "wall_s": wall_s, "expected_tau": leg["heldout"]["expected_tau"]})
+                legs.append({"tokens": tokens, "wall_s": wall_s, "expected_tau": leg["heldout"]["expected_tau"],
+                             "heldout": heldout_set(leg)})
     return {"run": str(run), "arch": cfg["arch"], "prior": prior, "points": points, "final": final, "legs": legs}
+
+
+def heldout_set(leg: dict) -> str:
+    """Which answers a leg's final evaluation scored (file name and count): only legs scored alike are fitted."""
+    source = (leg.get("data") or {}).get("heldout_source") or "random split"
+    return f"{Path(source).name}:{leg['config'].get('final_eval_samples')}"
+
+
+def log_fit(finals: list[dict], goal: float) -> dict | None:
+    """Least-squares fit of expected tau = a + b ln(tokens) over the leg ends scored on the last one's held-out
+    set; None with fewer than three such legs."""
+    same = [f for f in finals if f.get("heldout") == finals[-1].get("heldout")] if finals else []
+    if len(same) < 3:
+        return None
+    x = [math.log(f["tokens"]) for f in same]
+    y = [f["expected_tau"] for f in same]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
+    a = my - b * mx
+    to_goal = math.exp((goal - a) / b) if b > 0 else None
+    return {"a": a, "b": b, "per_doubling": b * math.log(2), "legs": len(same), "heldout": same[-1]["heldout"],
+            "tokens": [same[0]["tokens"], same[-1]["tokens"]], "goal": goal, "tokens_to_goal": to_goal}
+
+
+def leg_ends(curves: list[dict], arch: str) -> list[dict]:
+    """Every leg's final evaluation of one drafter, by tokens seen (runs that share legs list them once)."""
+    ends = {f["tokens"]: f for c in curves if c["arch"] == arch for f in c["legs"]}
+    return [ends[t] for t in sorted(ends)]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="+", required=True, help="training output directories (models.train --out)")
     p.add_argument("--out", required=True)
+    p.add_argument("--goal", type=float, default=2.5, help="expected tau the log fit is asked to reach (issue 10: 2.5)")
     args = p.parse_args(argv)
     if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()]:
         p.error(f"not a training output directory (no train_config.json): {', '.join(missing)}")
     curves = [run_curve(Path(r)) for r in args.runs]
+    for c in curves:
+        c["fit"] = log_fit(leg_ends(curves, c["arch"]), args.goal)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(curves, indent=2) + "\n")
@@ -66,6 +104,11 @@ def main(argv: list[str] | None = None) -> None:
         if last:
             print(f"{c['arch']}: {last['tokens']} tokens, {last['wall_s'] / 60:.0f} min, expected tau "
                   f"{last['expected_tau']:.3f}")
+        if fit := c["fit"]:
+            goal = f"{fit['tokens_to_goal'] / 1e6:.0f}M tokens" if fit["tokens_to_goal"] else "never (no gain)"
+            print(f"  log fit over {fit['legs']} legs ({fit['tokens'][0] / 1e6:.2f}M-{fit['tokens'][1] / 1e6:.2f}M "
+                  f"tokens, held-out {fit['heldout']}): {fit['per_doubling']:+.3f} per doubling of the tokens; "
+                  f"expected tau {fit['goal']} at {goal}")
     print(f"wrote {out}/campaign.json, campaign.png")
 
 
@@ -84,6 +127,11 @@ def plot(curves: list[dict], png: Path) -> None:
             finals = [ends[t] for t in sorted(ends)]
             line, = ax.plot([f[key] / scale for f in finals], [f["expected_tau"] for f in finals], marker="*",
                             ms=12, label=f"{arch}: final evaluation of each leg")
+            fit = legs[-1]["fit"]
+            if fit and key == "tokens":
+                xs = [fit["tokens"][0] * (fit["tokens"][1] * 2 / fit["tokens"][0]) ** (i / 40) for i in range(41)]
+                ax.plot(xs, [fit["a"] + fit["b"] * math.log(t) for t in xs], ls="--", lw=1, color=line.get_color(),
+                        label=f"{arch}: log fit, {fit['per_doubling']:+.3f} per doubling")
             for c in legs:
                 if c["points"]:
                     ax.plot([pt[key] / scale for pt in c["points"]], [pt["expected_tau"] for pt in c["points"]],

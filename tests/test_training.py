@@ -181,9 +181,27 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     a, b = json.loads((tmp_path / "campaign/campaign.json").read_text())
     assert b["prior"]["tokens"] == a["final"]["tokens"] > 0 and len(b["legs"]) == 2
     assert [leg["tokens"] for leg in b["legs"]] == [a["final"]["tokens"], b["final"]["tokens"]]
+    assert b["fit"] is None  # two legs: too few to fit
     assert (tmp_path / "campaign/campaign.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         campaign_main(["--runs", str(tmp_path / "data"), "--out", str(tmp_path / "campaign")])
+
+
+def test_the_campaign_fit_says_how_many_tokens_reach_a_goal():
+    """The log fit recovers a known curve, fits only the legs scored on the last leg's held-out set, and says
+    "never" when the legs do not gain."""
+    import math
+
+    from bench.campaign import log_fit
+
+    legs = [{"tokens": t, "expected_tau": 1.0 + 0.1 * math.log(t), "heldout": "h.jsonl:52"} for t in (1e6, 2e6, 4e6)]
+    early = {"tokens": 1e5, "expected_tau": 3.0, "heldout": "old.jsonl:24"}  # another set: left out of the fit
+    fit = log_fit([early, *legs], goal=2.5)
+    assert fit["legs"] == 3 and fit["per_doubling"] == pytest.approx(0.1 * math.log(2))
+    assert fit["tokens_to_goal"] == pytest.approx(math.exp(15.0), rel=1e-6)
+    flat = [dict(leg, expected_tau=1.5) for leg in legs]
+    assert log_fit(flat, goal=2.5)["tokens_to_goal"] is None
+    assert log_fit(legs[:2], goal=2.5) is None
 
 
 def test_sync_loss_is_the_loss_with_memory_up_to_the_own_position(tiny, samples):
