@@ -23,7 +23,11 @@ from pathlib import Path
 
 from bench.edge import PLAIN_METHODS
 from bench.prompts import SETS, Prompt, PromptsError, builtin_prompts, load_prompts, write_prompts
+from bench.runs import BenchError
 from edge_client.__main__ import add_offline_guard_arguments, offline_guard
+from edge_client.core import EdgeError
+from models.registry import LOAD_ERRORS
+from server.process import ServerStartError
 from moa_core.lookup import COPY_TOKENS
 
 
@@ -265,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
             prompts = builtin_prompts(args.set, args.heldout)[: args.n]
             write_prompts(prompts, args.out)
             print(f"wrote {len(prompts)} prompts to {args.out}")
-    except (PromptsError, FileNotFoundError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
+    except (PromptsError, ValueError, BenchError, ServerStartError, EdgeError, *LOAD_ERRORS) as e:
+        sys.exit(f"error: {e}")  # what the user can fix; anything else is a bug and keeps its traceback
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bench.runs import BenchError
+
 CHUNK = 1 << 16
 
 
@@ -147,7 +149,7 @@ class LinkProxy:
     def __enter__(self) -> "LinkProxy":
         self._thread.start()
         if not self._ready.wait(30):
-            raise RuntimeError("the link proxy did not start")
+            raise BenchError("the link proxy did not start")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from bench.edge import DRAFTER_OF, METHODS, PLAIN_METHODS, session_options
 from bench.link import LinkProfile, LinkProxy
 from bench.prompts import Prompt
-from bench.runs import machine, now
+from bench.runs import BenchError, machine, now
 from edge_client.client import EdgeSession, default_bundle
 from server.process import ServerProcess
 
@@ -118,7 +118,7 @@ def run_clients(sessions: list[EdgeSession], prompts: list[Prompt], max_new_toke
         t.join()
     errors = [e for e in out if isinstance(e, BaseException)]
     if errors:
-        raise RuntimeError(f"{len(errors)} of {n} clients failed: {errors[0]!r}") from errors[0]
+        raise BenchError(f"{len(errors)} of {n} clients failed: {errors[0]!r}") from errors[0]
     return {"t0": t0, "clients": out}
 
 

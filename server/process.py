@@ -23,6 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+class ServerStartError(RuntimeError):
+    """The server process exited, or stayed silent, before it answered its health check (the message holds its log)."""
+
 class ServerProcess:
     """`python -m server ARGS --port P` on 127.0.0.1; `env` is added to the environment (e.g. MOA_TOKENS).
 
@@ -61,7 +65,7 @@ class ServerProcess:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.log.seek(0)
-                    raise RuntimeError(f"the verify server ({' '.join(self.args)}) did not start:\n{self.log.read()}")
+                    raise ServerStartError(f"the verify server ({' '.join(self.args)}) did not start:\n{self.log.read()}")
                 time.sleep(0.2)
 
     def stop(self) -> None:

@@ -87,6 +87,20 @@ def test_bad_prompts_file_is_a_clear_error(tmp_path, row, problem):
         main(["single", "--prompts", str(path), "--out", str(tmp_path / "out"), "--target", "tiny"])
 
 
+def test_the_bench_cli_says_what_the_user_can_fix_and_keeps_a_bugs_traceback(two_prompts, tmp_path, monkeypatch):
+    import bench.__main__ as cli
+    from bench.runs import BenchError
+
+    with pytest.raises(SystemExit, match="error: unknown model 'no/such-model'"):
+        main(["single", "--prompts", str(two_prompts), "--target", "no/such-model", "--out", str(tmp_path / "a")])
+    monkeypatch.setattr(cli, "benchmark", lambda args: (_ for _ in ()).throw(BenchError("2 of 4 clients failed")))
+    with pytest.raises(SystemExit, match="error: 2 of 4 clients failed"):
+        main(["single", "--prompts", str(two_prompts), "--target", "tiny", "--out", str(tmp_path / "b")])
+    monkeypatch.setattr(cli, "benchmark", lambda args: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # a bug is not turned into a one-line message
+        main(["single", "--prompts", str(two_prompts), "--target", "tiny", "--out", str(tmp_path / "c")])
+
+
 def test_bench_end_to_end(tiny, two_prompts, tmp_path):
     for arch in ("moa", "eagle"):
         train_tiny(tiny, arch, steps=30).save_pretrained(tmp_path / arch)
