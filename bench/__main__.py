@@ -27,8 +27,8 @@ from bench.runs import BenchError
 from edge_client.__main__ import add_offline_guard_arguments, offline_guard
 from edge_client.core import EdgeError
 from models.registry import LOAD_ERRORS
-from server.process import ServerStartError
 from moa_core.lookup import COPY_TOKENS
+from server.process import ServerStartError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -23,9 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 class ServerStartError(RuntimeError):
     """The server process exited, or stayed silent, before it answered its health check (the message holds its log)."""
+
 
 class ServerProcess:
     """`python -m server ARGS --port P` on 127.0.0.1; `env` is added to the environment (e.g. MOA_TOKENS).
