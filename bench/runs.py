@@ -21,6 +21,7 @@ class BenchError(RuntimeError):
     """A benchmark that cannot go on (a client failed, the link proxy did not start): said in one line, unlike a
     bug's traceback."""
 
+
 # one chat turn: messages so far -> (reply text, reply token ids, figures to add up, e.g. new_tokens and total_s)
 Turn = Callable[[list[dict]], tuple[str, list[int], dict[str, float]]]
 
