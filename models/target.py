@@ -463,8 +463,22 @@ def _default_target_dir() -> Path:
 
 
 def resolve_target_path(name: str) -> str:
-    """Map `default`/`smollm2-135m` to the cached copy; anything else is a HF id or a local path."""
-    return str(_default_target_dir()) if name in DEFAULT_ALIASES else name
+    """The local directory of a target: `default`/`smollm2-135m` map to the cached copy, a Hugging Face id to its
+    snapshot in the local cache, a directory to itself. Nothing is looked up on a hub, so a typo fails at once."""
+    if name in DEFAULT_ALIASES:
+        return str(_default_target_dir())
+    if Path(name).is_dir():
+        return name
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not even a valid id
+        config = None
+    if not isinstance(config, str):
+        raise TargetLoadError(f"unknown model {name!r}: not an alias ({', '.join(DEFAULT_ALIASES)}), a local "
+                              "directory, or a Hugging Face id present in the local cache")
+    return str(Path(config).parent)
 
 
 def load_pretrained(name: str = "default", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -477,10 +491,7 @@ def load_pretrained(name: str = "default", dtype: torch.dtype = torch.float32, d
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise TargetLoadError(
-            f"unknown model {name!r}: not an alias ({', '.join(DEFAULT_ALIASES)}), a local directory, "
-            f"or a Hugging Face id present in the local cache ({e.__class__.__name__})"
-        ) from e
+        raise TargetLoadError(f"cannot load model {name!r} from {path}: {e}") from e
     if config.model_type not in SUPPORTED_FAMILIES:
         raise TargetLoadError(
             f"model family {config.model_type!r} is not served (supported: {', '.join(SUPPORTED_FAMILIES)})"
