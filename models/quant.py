@@ -11,8 +11,24 @@ difference into one int8 step; see the README for what that does to greedy equal
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
+
+log = logging.getLogger("moa.quant")
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp")  # x86 VNNI / AMX, Arm dot product
+
+
+def int8_matmuls_native(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU has int8 dot-product instructions (without them `torch._int_mm` emulates them and an int8
+    target runs about twice as slowly as fp32); None where /proc/cpuinfo does not say."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return None
+    return any(f in flags for f in INT8_DOT_FLAGS)
 
 
 class Int8Linear(nn.Module):
@@ -50,7 +66,11 @@ class Int8Linear(nn.Module):
 
 
 def quantize_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `model` by an `Int8Linear`, in place; returns how many."""
+    """Replace every `nn.Linear` inside `model` by an `Int8Linear`, in place; returns how many. Warns on a CPU
+    without int8 dot products, where this makes the model slower, not faster."""
+    if int8_matmuls_native() is False:
+        log.warning("this CPU has no int8 dot-product instructions (VNNI, AMX or Arm dotprod): an int8 target runs "
+                    "about twice as slowly as fp32 here (docs/measurements.md)")
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

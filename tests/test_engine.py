@@ -123,6 +123,22 @@ def test_copy_chains_are_lossless(tiny, drafters, arch):
     assert sampled > 0
 
 
+def test_int8_warns_on_a_cpu_without_int8_dot_products(tmp_path, caplog, monkeypatch):
+    import models.quant as quant
+
+    cpus = {"avx2": "flags\t\t: fpu sse avx avx2 fma\n", "vnni": "flags\t\t: avx2 avx512f avx512_vnni\n",
+            "arm": "Features\t: fp asimd asimddp\n"}
+    for name, text in cpus.items():
+        (tmp_path / name).write_text(text)
+    assert [quant.int8_matmuls_native(tmp_path / n) for n in (*cpus, "unreadable")] == [False, True, True, None]
+    for native, warned in ((False, True), (True, False), (None, False)):
+        caplog.clear()
+        monkeypatch.setattr(quant, "int8_matmuls_native", lambda: native)
+        with caplog.at_level(logging.WARNING, logger="moa.quant"):
+            assert quant.quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())) == 1
+        assert ("twice as slowly" in caplog.text) == warned
+
+
 def test_int8_target_is_batch_invariant_and_greedy_lossless():
     """Per-token activation scales, an exact integer matmul and row-by-row attention: a token's output does not depend
     on the rest of the call, so a tree verify sees what one-token decoding sees and greedy speculation on the int8
