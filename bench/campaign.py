@@ -78,9 +78,14 @@ def log_fit(finals: list[dict], goal: float) -> dict | None:
             "tokens": [same[0]["tokens"], same[-1]["tokens"]], "goal": goal, "tokens_to_goal": to_goal}
 
 
-def leg_ends(curves: list[dict], arch: str) -> list[dict]:
-    """Every leg's final evaluation of one drafter, by tokens seen (runs that share legs list them once)."""
-    ends = {f["tokens"]: f for c in curves if c["arch"] == arch for f in c["legs"]}
+def leg_ends(curves: list[dict], arch: str, run_finals: bool = False) -> list[dict]:
+    """Every leg's final evaluation of one drafter, by tokens seen (runs that share legs list them once); with
+    `run_finals`, also each run's own final evaluation (a record from before legs were kept has only that)."""
+    ends: dict[int, dict] = {}
+    for c in curves:
+        if c["arch"] == arch:
+            for f in c["legs"] + ([c["final"]] if run_finals and c["final"] else []):
+                ends.setdefault(f["tokens"], f)
     return [ends[t] for t in sorted(ends)]
 
 
@@ -123,8 +128,7 @@ def plot(curves: list[dict], png: Path) -> None:
                                   "training wall time, minutes (all legs)", 60)):
         for arch in sorted({c["arch"] for c in curves}):
             legs = [c for c in curves if c["arch"] == arch]
-            ends = {f["tokens"]: f for c in legs for f in c["legs"] + ([c["final"]] if c["final"] else [])}
-            finals = [ends[t] for t in sorted(ends)]
+            finals = leg_ends(curves, arch, run_finals=True)
             line, = ax.plot([f[key] / scale for f in finals], [f["expected_tau"] for f in finals], marker="*",
                             ms=12, label=f"{arch}: final evaluation of each leg")
             fit = legs[-1]["fit"]
