@@ -46,16 +46,21 @@ def iter_sharegpt() -> Iterator[dict]:
     yield from iter_json_array(text)
 
 
-def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    """Objects of a jsonl file (gzip-compressed when it ends in .gz)."""
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """The non-blank lines of a text file, stripped (gzip-compressed when it ends in .gz)."""
     with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
         for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    yield {}  # counted as malformed downstream
+            if line := line.strip():
+                yield line
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict]:
+    """Objects of a jsonl file (gzip-compressed when it ends in .gz)."""
+    for line in iter_lines(path):
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            yield {}  # counted as malformed downstream
 
 
 def iter_source(source: str) -> Iterator[dict]:

@@ -2,20 +2,23 @@
 
     python -m models.mix --new datasets/smollm2-sampled-t06.jsonl.gz:4193-5024 \\
         --replay datasets/smollm2-sampled-t06.jsonl.gz:1-4192 datasets/smollm2-sampled-t07.jsonl.gz \\
+        datasets/smollm2-sampled.jsonl.gz datasets/smollm2-onpolicy.jsonl.gz \\
         --replay-ratio 4 --seed 32 --out data/mix32.jsonl
 
-Why: a leg over new answers alone drifts from what earlier legs taught; replaying a few times as many old rows
-keeps it (docs/campaign.md). Rows are copied byte for byte, so a mix is the same file for the same arguments.
+Each leg of the shipped drafters' campaign (docs/campaign.md) trains on such a mix; earlier legs drew it with
+one-off scripts. Rows are copied as they are (stripped of surrounding blanks), so the same arguments give the
+same file: the command above remakes leg 32's mix.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from models.data import iter_lines
 
 
 class MixError(ValueError):
@@ -48,9 +51,7 @@ class RowRange:
     def read(self) -> list[str]:
         if not self.path.is_file():
             raise MixError(f"no conversations file at {self.path}")
-        opener = gzip.open if self.path.suffix == ".gz" else open
-        with opener(self.path, "rt", encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
+        lines = list(iter_lines(self.path))
         last = len(lines) if self.last is None else self.last
         if last > len(lines):
             raise MixError(f"{self.path} has {len(lines)} rows, not {last}")
