@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for b, methods in ((s, "vanilla,lookup,eagle,moa"), (e, ",".join(PLAIN_METHODS)), (o, "moa,eagle,lookup")):
         b.add_argument("--prompts", required=True, help=f"Spec-Bench jsonl file or a built-in set: {', '.join(SETS)}")
         variants = {s: "; vanilla+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)",
-                    e: "; api+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens)"}.get(b, "")
+                    e: "; api+copy, eagle+copy, moa+copy: with copy chains (--copy-tokens); eagle-stay, moa-stay: "
+                       "no handover to the server mid-reply"}.get(b, "")
         b.add_argument("--methods", default=methods, help=f"comma-separated, from {methods}{variants} (default: "
                        f"{methods})")
         b.add_argument("--out", required=True, help="output directory")

@@ -4,7 +4,9 @@ edge bundles drafting in ONNX Runtime while the verify server checks their trees
 
 Each drafter needs a server whose memory head matches its bundle: one server per drafter, started on loopback
 unless given; `api` asks the MoA server (any server generates the same vanilla text). The +copy methods verify copy
-chains (`api+copy`: the server's own, while it generates alone). Figures per method, overall
+chains (`api+copy`: the server's own, while it generates alone). With tree auto a speculative method hands the rest
+of a reply to the server once speculation stops paying in it (`EdgeSession(handover=True)`); the -stay methods
+speculate to the end of every reply, for comparison. Figures per method, overall
 and per category, beyond tokens/s, speedup (over api) and outputs_match_api (greedy):
 - tau: tokens gained per verify call, the server's next token included (api: 1, one target forward per token);
 - server_calls_per_token: requests (prefill, verify, generate) per new token;
@@ -13,6 +15,7 @@ and per category, beyond tokens/s, speedup (over api) and outputs_match_api (gre
 - network_wait_share: the share of the time the edge waited on the server (round trips, server compute included);
 - draft_share: the share of the time the edge spent drafting;
 - api_share: the share of a speculative method's generations the server made alone because speculation did not pay;
+- handover_share: the share of a speculative method's tokens the server made alone after a handover mid-reply;
 - copy_round_share (the +copy methods): the share of rounds (verify calls, or the server's own in api mode) that
   verified a copy chain;
 - predicted_tokens_per_s: what the edge predicted before each generation (moa_core.budget.Forecast: the cost
@@ -31,16 +34,17 @@ from edge_client.client import EdgeSession, default_bundle
 from moa_core.lookup import COPY_TOKENS
 from server.process import ServerProcess
 
-METHODS = ("api", "eagle", "moa", "api+copy", "eagle+copy", "moa+copy")  # +copy: with copy chains
+# +copy: with copy chains; -stay: no handover to the server mid-reply
+METHODS = ("api", "eagle", "moa", "api+copy", "eagle+copy", "moa+copy", "eagle-stay", "moa-stay")
 PLAIN_METHODS = METHODS[:3]  # the default of `bench edge` and `bench serve`: the server alone, each drafter alone
-DRAFTER_OF = {"api": "moa", "eagle": "eagle", "moa": "moa", "api+copy": "moa", "eagle+copy": "eagle",
-              "moa+copy": "moa"}  # bundle, server
+DRAFTER_OF = {m: "moa" if m.startswith("api") else m.split("+")[0].split("-")[0] for m in METHODS}  # bundle, server
 
 
 def session_options(method: str, copy_tokens: int = COPY_TOKENS) -> dict:
-    """The EdgeSession mode and copy chains of a method: api* has the server generate alone, +copy verifies copies."""
+    """The EdgeSession options of a method: api* has the server generate alone, +copy verifies copies, -stay
+    speculates to the end of every reply."""
     return {"mode": "api" if method.startswith("api") else "speculative",
-            "copy_tokens": copy_tokens if method.endswith("+copy") else 0}
+            "copy_tokens": copy_tokens if method.endswith("+copy") else 0, "handover": not method.endswith("-stay")}
 
 
 def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
@@ -48,7 +52,7 @@ def session_turn(session: EdgeSession, seed: int, **gen) -> Turn:
         res = session.complete(messages, seed=seed, **gen)
         s = session.stats
         return res.text, res.token_ids, {
-            "generations": 1, "api_generations": int(s.mode == "api"),
+            "generations": 1, "api_generations": int(s.mode == "api"), "handover_tokens": s.handover_tokens,
             **({"predicted_s": s.predicted_s} if s.predicted_s is not None else {}),
             "new_tokens": s.new_tokens, "total_s": s.total_s, "verify_calls": s.verify_calls,
             "copy_rounds": s.copy_rounds,
@@ -67,6 +71,7 @@ def summarize(runs: list[Run]) -> dict:
             "network_wait_share": total(runs, "network_wait_s") / seconds,
             "draft_share": total(runs, "draft_s") / seconds,
             "api_share": total(runs, "api_generations") / max(1, total(runs, "generations")),
+            "handover_share": total(runs, "handover_tokens") / new,
             "copy_round_share": total(runs, "copy_rounds") / max(1, calls), **predicted(runs)}
 
 

@@ -17,7 +17,8 @@ COLUMNS = {
     "edge": COMMON + (("server calls/token", "server_calls_per_token", "{:.3f}"),
                       ("server ms/token", "server_ms_per_token", "{:.1f}"),
                       ("bytes/token", "bytes_per_token", "{:.0f}"),
-                      ("network wait", "network_wait_share", "{:.0%}"), ("matches api", "outputs_match_api", "{:.0%}")),
+                      ("network wait", "network_wait_share", "{:.0%}"), ("replies to api", "api_share", "{:.0%}"),
+                      ("handed over", "handover_share", "{:.0%}"), ("matches api", "outputs_match_api", "{:.0%}")),
 }
 OFFLINE_COLUMNS = (("cases", "cases", "{}"), ("exact prefix (kept by verify)", "exact_prefix", "{:.2f}"),
                    ("agreement 1-8", "agreement_1_8", "{:.1%}"), ("agreement 1-32", "agreement_mean", "{:.1%}"),

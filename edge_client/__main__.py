@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--copy-tokens", type=int, default=COPY_TOKENS, metavar="N", help="trees also verify up to "
                    "N tokens copied from where the text's last tokens occurred before (in api mode the server verifies "
                    "them); 0 = off (default: %(default)s)")
+    g.add_argument("--no-handover", dest="handover", action="store_false", help="with --tree auto: keep speculating "
+                   "to the end of a reply even once it stops paying (by default the server then generates the rest "
+                   "of the reply alone, continuing its cache)")
     n = p.add_argument_group("link")
     n.add_argument("--on-reconnect", choices=POLICIES, default="keep", help="after an offline stretch the server "
                    "keeps the offline tokens, or verifies them and the edge rewinds to the first disagreement "
@@ -238,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         with EdgeSession(args.bundle, args.server, args.token, args.mode, args.tree, args.on_reconnect,
                          args.row_dtype, args.timeout, providers=args.providers, threads=args.threads,
                          resync_wait_s=args.resync_wait, cafile=args.ca_file, offline_guard=offline_guard(args),
-                         offline_temperature=args.offline_temperature, copy_tokens=args.copy_tokens) as session:
+                         offline_temperature=args.offline_temperature, copy_tokens=args.copy_tokens,
+                         handover=args.handover) as session:
             if args.prompt is not None:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
                 results = [reply(session, messages + [{"role": "user", "content": args.prompt}], args, console)]

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Generator, Iterator
 
 import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -330,7 +330,8 @@ class EdgeSession:
     `copy_tokens` > 0 (0 = off): trees also verify up to that many tokens copied from where the transcript's
     last tokens occurred before (prompt lookup's proposal, grafted onto the drafted tree; sampling tries it first,
     as a one-hot proposal, and stays lossless); when the server generates alone (api mode, or the Pacer's switch)
-    it verifies such copies itself.
+    it verifies such copies itself. `handover` (tree auto): when speculation stops paying in the middle of a reply,
+    the server generates the rest of it alone, continuing the session's target cache (no prefill again).
     """
 
     def __init__(self, bundle: str | Path | Bundle | None = None, server: str = DEFAULT_SERVER,
@@ -339,7 +340,7 @@ class EdgeSession:
                  backoff_s: tuple[float, float] = (0.25, 8.0), providers: str = "auto", threads: int | None = None,
                  resync_wait_s: float = 30.0, cafile: str | None = None,
                  offline_guard: OfflineGuard | None = OfflineGuard(), offline_temperature: float | None = None,
-                 copy_tokens: int = COPY_TOKENS):
+                 copy_tokens: int = COPY_TOKENS, handover: bool = True):
         if copy_tokens < 0:
             raise ValueError(f"copy_tokens must be >= 0, got {copy_tokens}")
         for name, value, allowed in (("mode", mode, MODES), ("on_reconnect", on_reconnect, POLICIES),
@@ -361,7 +362,7 @@ class EdgeSession:
         self.offline_guard = offline_guard.for_vocabulary(self.tokenizer.token_texts(),
                                                         self.tokenizer.special_token_ids()) if offline_guard else None
         self.offline_temperature = offline_temperature
-        self.copy_tokens = copy_tokens
+        self.copy_tokens, self.handover = copy_tokens, handover
         self.tree, self.tree_note = TreeConfig(), f"unused in {mode} mode"
         self.tuner: TreeTuner | None = None  # tree auto: chooses the tree again between generations
         # what generations will take, per mode they run in: the cost model, then what was observed
@@ -424,12 +425,13 @@ class EdgeSession:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, drop_after: int | None = None,
-                 offline_for: float | None = None) -> Iterator[Chunk]:
+                 offline_for: float | None = None, handover_after: int | None = None) -> Iterator[Chunk]:
         """Stream the reply to `prompt` as text chunks; `result` and `stats` hold the outcome once it ends.
 
         Stops after the first EOS (kept) or `max_new_tokens`. `temperature` 0 is greedy. For experiments,
         `drop_after` drops the link once that many generated tokens are verified and keeps it down for
-        `offline_for` seconds (None: to the end of this generation)."""
+        `offline_for` seconds (None: to the end of this generation); `handover_after` hands the rest of the reply
+        to the server once that many are verified, whatever the Pacer says."""
         ids = self.encode(prompt)
         mode = self._next_mode()  # api when speculation does not pay: the server generates this reply alone
         if self.pacer is not None and self.online:
@@ -443,7 +445,7 @@ class EdgeSession:
         start = time.perf_counter()
         first_s = None  # time to the first chunk: the prefill, for the forecast
         run = self._api(ids, max_new_tokens) if mode == "api" else \
-            self._speculative(ids, max_new_tokens, drop_after, offline_for)
+            self._speculative(ids, max_new_tokens, drop_after, offline_for, handover_after)
         for chunk in run:
             self.stats.total_s = time.perf_counter() - start
             first_s = first_s or self.stats.total_s
@@ -570,7 +572,7 @@ class EdgeSession:
 
     # ---- speculative and offline generation -------------------------------------------------------------------
     def _speculative(self, prompt: list[int], max_new: int, drop_after: int | None,
-                     offline_for: float | None) -> Iterator[Chunk]:
+                     offline_for: float | None, handover_after: int | None) -> Iterator[Chunk]:
         core = self.core
         self._start(prompt, max_new)
         deadline = None  # for the wait to verify an offline end, from when the end is first reached
@@ -590,6 +592,8 @@ class EdgeSession:
                 drop_after = None
                 self._go_offline(f"link dropped on purpose after {core.length - len(prompt)} verified tokens",
                                  offline_for)
+            elif (handover_after is not None and core.length - len(prompt) >= handover_after) or self._losing():
+                yield from self._hand_over(max_new)
             else:
                 self._verify_round()
 
@@ -655,6 +659,35 @@ class EdgeSession:
             if request.tree.sources is None:  # the drafter's tree alone: what the tuner predicts
                 self.tuner.observe(self.tree, len(new))
 
+    def _losing(self) -> bool:
+        """Whether speculation has stopped paying in this reply (the Pacer's verdict after its rounds, with `handover`
+        on; a reply that starts as a probe of speculation gets its round first)."""
+        return self.handover and self.pacer is not None and not self.pacer.pays and self.stats.verify_calls > 0
+
+    def _hand_over(self, max_new: int) -> Iterator[Chunk]:
+        """The server generates the rest of this reply alone, from the committed transcript and the pending root,
+        continuing the session's target cache. Its tokens join the transcript as they come (`EdgeCore.take_alone`),
+        so a link lost meanwhile goes offline from the last of them, and a later sync resumes them."""
+        core = self.core
+        log.info("the server generates the rest of this reply alone, after %d tokens%s", len(core.generated),
+                 " (speculation does not pay in it)" if self._losing() else "")
+        try:
+            f = yield from self._server_generates(core.tokens, max_new - len(core.generated), core.session_id,
+                                                  lambda ids, _text: self._take_alone(ids, max_new))
+        except LinkDown as e:
+            self._go_offline(str(e))
+            return
+        yield from self._take_alone(f["tokens"][core.alone:], max_new)  # a server that streams no token ids
+        self.stats.server_s += f["stats"].get("total_s", 0.0)
+
+    def _take_alone(self, ids: list[int], max_new: int) -> Iterator[Chunk]:
+        if ids and self.result is None:
+            vocab = self.bundle.meta["vocab_size"]
+            if not all(0 <= i < vocab for i in ids):
+                raise EdgeError(f"the server generated token ids outside the vocabulary [0, {vocab}): {ids}")
+            self.core.take_alone(ids)
+            yield from self._emit(max_new)
+
     def _go_offline(self, reason: str, reconnect_after: float | None = 0.0) -> None:
         """Generate locally from now on; reconnect in the background after `reconnect_after` s (None: never)."""
         log.warning("offline: %s; generating with the edge drafter alone", reason)
@@ -717,20 +750,31 @@ class EdgeSession:
         if done:
             self.result = Result(text, out, reason)
 
-    # ---- api mode ---------------------------------------------------------------------------------------------
+    # ---- the server alone: api mode, or a reply handed over --------------------------------------------------
     def _api(self, prompt: list[int], max_new: int) -> Iterator[Chunk]:
         """The server generates with the target alone and streams text (the baseline; no offline fallback), verifying
         copy chains where the text repeats (`copy_tokens`; 0: plain decoding)."""
         if self._link is None:
             self._link = self._open()
+        f = yield from self._server_generates(prompt, max_new, None, _text_chunk)
+        lengths = f["stats"].get("acceptance_lengths", [])
+        self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
+        self.stats.copy_rounds = f["stats"].get("copy_rounds", 0)
+        self.stats.server_s = f["stats"].get("total_s", 0.0)
+        self.result = Result(f["text"], list(f["tokens"]), f["finish_reason"])
+
+    def _server_generates(self, prompt: list[int], max_new: int, session_id: str | None,
+                          on_tokens: Callable[..., Iterator[Chunk]]) -> Generator[Chunk, None, dict[str, Any]]:
+        """`generate` on the server with the target alone (and copy chains); `on_tokens(ids, text)` makes the chunks
+        of each streamed round. Feeds the Pacer the server's decoding rate; returns the `done` fields."""
         room = self._link.welcome["limits"]["max_tree_tokens"] - 1  # the server's bound on copy_tokens
         fields = {"max_new_tokens": max_new, **self._sampling, "drafter": "none",
-                  "copy_tokens": min(self.copy_tokens, room)}
+                  "copy_tokens": min(self.copy_tokens, room), "session_id": session_id}
         self._send(P.encode(P.GENERATE, fields, token_tensor(prompt)))
         first = None  # when the first token came: the rate after it is the server's decoding, prefill excluded
         while (msg := self._receive()).type == P.TOKEN:
             first = first or time.perf_counter()
-            yield Chunk(msg.fields["text"])
+            yield from on_tokens(msg.fields.get("tokens") or [], msg.fields["text"])
         f = expect(msg, P.DONE).fields
         costs = self._link.costs if self.pacer is not None else None
         if costs is not None and first is not None and len(f["tokens"]) > 1:
@@ -738,11 +782,12 @@ class EdgeSession:
             target_s = f["stats"].get("verify_s", 0.0) * n / len(f["tokens"])  # the server's decode forwards
             self.pacer.observe(False, n, time.perf_counter() - first, target_s,
                                n * costs.decode(len(prompt) + len(f["tokens"]) / 2))
-        lengths = f["stats"].get("acceptance_lengths", [])
-        self.stats.verify_calls, self.stats.accepted_tokens = len(lengths), sum(lengths)
-        self.stats.copy_rounds = f["stats"].get("copy_rounds", 0)
-        self.stats.server_s = f["stats"].get("total_s", 0.0)
-        self.result = Result(f["text"], list(f["tokens"]), f["finish_reason"])
+        return f
+
+
+def _text_chunk(_ids: list[int], text: str) -> Iterator[Chunk]:
+    if text:
+        yield Chunk(text)
 
 
 class AsyncEdgeSession:

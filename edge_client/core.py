@@ -54,6 +54,7 @@ class Stats:
     verify_calls: int = 0
     accepted_tokens: int = 0  # tokens gained by verify calls, the root included: tau = accepted / verify calls
     copy_rounds: int = 0  # verify calls (or the server's rounds, in api mode) with a copy chain
+    handover_tokens: int = 0  # tokens the server generated alone after speculation was handed over mid-reply
     offline_tokens: int = 0  # tokens the drafter made alone while offline
     rewound_tokens: int = 0  # offline tokens shown, then withdrawn by a `verify` resume
     reconnects: int = 0
@@ -125,6 +126,7 @@ class EdgeCore:
         self.rows = np.zeros((0, row_width), np.float32)
         self.pending: int | None = None  # the server's next token after tokens[:length] (this generation)
         self.kept_unchecked = 0  # offline tokens of this generation the server took under `keep`
+        self.alone = 0  # tokens after the pending root that the server generated alone (handed over), uncommitted
         self._draft: DraftSession | None = None  # drafts trees over the committed transcript
         self._offline: DraftSession | None = None  # generates alone while offline
         self._sent: Request | None = None  # the outstanding request
@@ -139,7 +141,7 @@ class EdgeCore:
         self.prompt, self.tokens, self.rows = list(prompt), list(prompt), self.rows[:self.length]
         self.sampling, self.stats = dict(sampling), stats
         self.pending, self._draft, self._offline, self._sent = None, None, None, None
-        self.kept_unchecked = 0
+        self.kept_unchecked = self.alone = 0
 
     @property
     def generated(self) -> list[int]:
@@ -147,9 +149,9 @@ class EdgeCore:
 
     def unverified(self, n_out: int) -> int:
         """How many of the first `n_out` generated tokens the target never checked: those kept under `keep` and
-        those after the committed transcript and its pending next token."""
+        those after the committed transcript, its pending next token and what the server generated alone after it."""
         root = int(self.length < len(self.tokens) and self.tokens[self.length] == self.pending)
-        first = max(len(self.prompt), self.length + root)
+        first = max(len(self.prompt), self.length + root + self.alone)
         return self.kept_unchecked + max(0, min(len(self.tokens), len(self.prompt) + n_out) - first)
 
     # ---- sync: resume, or prefill (+ resume) ------------------------------------------------------------------
@@ -237,8 +239,9 @@ class EdgeCore:
             if not 1 <= kept <= len(sent.tokens):
                 raise EdgeError(f"the server kept {kept} of {len(sent.tokens)} resumed tokens")
             new = self._check(msg, 0, list(sent.tokens[:kept]))
-            if self.policy == "keep":
-                self.kept_unchecked += kept - (sent.tokens[0] == self.pending)  # all but the server's own next token
+            if self.policy == "keep":  # all but the server's own tokens: its next token and those it made alone
+                root = int(sent.tokens[0] == self.pending)
+                self.kept_unchecked += kept - root - min(self.alone, kept - root)
             self._commit(new, P.decode_rows(msg.tensors), msg)
             self.stats.rewound_tokens += len(sent.tokens) - kept
             if len(sent.tokens) > 1:
@@ -281,7 +284,17 @@ class EdgeCore:
         self._draft = DraftSession(self.step)
         self._draft.add_verified(self.tokens[:self.length], self.rows)
         self._offline, self._lost, self._prefilled = None, False, False
+        self.alone = 0  # committed now, or rewound
         self.state = State.ONLINE
+
+    # ---- the server alone ------------------------------------------------------------------------------------
+    def take_alone(self, tokens: list[int]) -> None:
+        """Tokens the server generated alone after the pending root (speculation handed over mid-reply): the target's
+        own, joining the transcript uncommitted, like offline tokens, so that a later sync resumes them."""
+        assert self.state is State.ONLINE and self.alone == len(self.tokens) - self.length - 1
+        self.tokens.extend(tokens)
+        self.alone += len(tokens)
+        self.stats.handover_tokens += len(tokens)
 
     # ---- offline ----------------------------------------------------------------------------------------------
     def go_offline(self) -> None:

@@ -161,7 +161,7 @@ SCHEMA: dict[str, dict[str, dict[str, Any]]] = {
     GENERATE: {"fields": {"session_id?": "str", "max_new_tokens": "int", **_SAMPLING, "drafter": ("none", "server"),
                           "seed?": "int", "copy_tokens?": "int"},
                "tensors": _TOKENS},
-    TOKEN: {"fields": {"text": "str"}, "tensors": {}},
+    TOKEN: {"fields": {"text": "str", "tokens?": "int[]"}, "tensors": {}},
     DONE: {"fields": {"tokens": "int[]", "text": "str", "finish_reason": ("eos", "stop", "length"), "stats": "object"},
            "tensors": {}},
     CLOSE: {"fields": {"session_id?": "str"}, "tensors": {}},

@@ -80,6 +80,7 @@ def drafting_dtype(precision: str, drafter: Drafter | None) -> torch.dtype | Non
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens continued from a target cache (`generate(runner=...)`), not prefilled
     target_forwards: int = 0
     drafter_calls: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens gained per target forward (bonus incl.)
@@ -264,11 +265,17 @@ class SpeculativeEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         stop: list[str] | None = None,
-        streamer: Callable[[str], None] | None = None,
+        streamer: Callable[[str, list[int]], None] | None = None,
         seed: int | None = None,
         copy_tokens: int | None = None,
+        runner: TargetRunner | None = None,
     ) -> GenerationResult:
-        """`copy_tokens`: this generation's longest copy chain (default: the engine's)."""
+        """`streamer` gets the new text and the new token ids after every round; `copy_tokens`: this generation's
+        longest copy chain (default: the engine's). `runner`: a target cache that already holds a prefix of the
+        prompt, continued instead of prefilling it again (plain decoding only: a drafter needs the whole prompt's
+        activations); the caller checks that it is a prefix, and gets it back grown by this generation."""
+        if runner is not None and self.step is not None:
+            raise ValueError("a target cache to continue serves plain decoding only, not a drafter")
         copy_tokens = self.copy_tokens if copy_tokens is None else self._copy_tokens(copy_tokens)
         sampling = Sampling(temperature, top_k, top_p)
         g = torch.Generator(device=self.target.device)
@@ -284,15 +291,18 @@ class SpeculativeEngine:
         stats = GenerationStats(tree=str(self.tree) if self.tree else "none")
         ids = self.encode(prompt)
         t0 = time.perf_counter()
-        runner = self.target.new_runner(self.batcher)
-        step = runner.forward(ids, logits="last")
+        if runner is None:
+            runner = self.target.new_runner(self.batcher)
+        runner.crop(min(runner.length, len(ids) - 1))  # at least the prompt's last token is forwarded, for its logits
+        cached = stats.cached_tokens = runner.length
+        step = runner.forward(ids[cached:], logits="last")
         stats.target_forwards += 1
         root = sample_token(step.logits[-1], sampling, g)
         prefill_s = time.perf_counter() - t0
         session = DraftSession(self.step, self.candidates) if self.step is not None else None
         behind: list[tuple[list[int], TargetStep]] = [(ids, step)] if session else []  # verified, not yet in session
         out: list[int] = []
-        printed = 0
+        printed = sent = 0  # characters and tokens streamed
         reason = None
         while reason is None:
             speculate = self.tree is not None and (self.pacer is None or self.pacer.speculate())
@@ -340,13 +350,13 @@ class SpeculativeEngine:
             out, reason = checker.cut(out + new, max_new_tokens)
             if streamer is not None:
                 text = self.target.tokenizer.decode(out, skip_special_tokens=True)
-                streamer(text[printed:])
-                printed = len(text)
+                streamer(text[printed:], out[sent:])
+                printed, sent = len(text), len(out)
         stats.new_tokens = len(out)
         stats.total_s = time.perf_counter() - t0
         if self._costs is not None:  # measured (tree auto, or asked for): predictions are wanted
-            stats.predicted_s = forecast.seconds(len(ids), stats.new_tokens)
-        self.forecast.observe(len(ids), prefill_s, stats.new_tokens, stats.total_s - prefill_s)
+            stats.predicted_s = forecast.seconds(len(ids) - cached, stats.new_tokens)
+        self.forecast.observe(len(ids) - cached, prefill_s, stats.new_tokens, stats.total_s - prefill_s)
         if session is not None:
             stats.drafter_calls = session.stats.drafter_calls
         return GenerationResult(self.target.tokenizer.decode(out, skip_special_tokens=True), out, stats, reason)

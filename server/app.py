@@ -412,32 +412,44 @@ class App:
                                   f"{self.limits.max_tree_tokens})", P.E_LIMIT)
         if f["drafter"] == "server":
             self.model.require_memory_head()
+        named = self.continuable(conn, f.get("session_id")) if f["drafter"] == "none" else None
         loop, frames = asyncio.get_running_loop(), asyncio.Queue()
         gone = threading.Event()
 
-        def emit(text: str) -> None:  # in the compute lane, after every round
+        def emit(text: str, ids: list[int]) -> None:  # in the compute lane, after every round
             if gone.is_set():
                 raise Cancelled()
-            if text:
-                loop.call_soon_threadsafe(frames.put_nowait, P.encode(P.TOKEN, {"text": text}))
+            if ids:
+                loop.call_soon_threadsafe(frames.put_nowait, P.encode(P.TOKEN, {"text": text, "tokens": ids}))
             self.pause()
 
-        def run() -> None:
+        def run(s: Session | None) -> None:
             try:
                 done = self.model.generate(prompt, f["max_new_tokens"], sampling, f["drafter"], f.get("seed"), emit,
-                                           f.get("copy_tokens"))
+                                           f.get("copy_tokens"), s.runner if s is not None else None)
                 loop.call_soon_threadsafe(frames.put_nowait, done)
             finally:
+                if s is not None:
+                    s.recover()  # its cache back to its own transcript
                 loop.call_soon_threadsafe(frames.put_nowait, None)
 
-        job = asyncio.ensure_future(self.compute(run))
-        try:
-            while (frame := await frames.get()) is not None:
-                await self.send(conn, frame)
-        finally:
-            gone.set()
-            with contextlib.suppress(Cancelled):
-                await job
+        async with named.lock if named is not None else contextlib.nullcontext():
+            continued = named if named is not None and named.starts(prompt) else None
+            job = asyncio.ensure_future(self.compute(run, continued))
+            try:
+                while (frame := await frames.get()) is not None:
+                    await self.send(conn, frame)
+            finally:
+                gone.set()
+                with contextlib.suppress(Cancelled):
+                    await job
+
+    def continuable(self, conn: Connection, session_id: str | None) -> Session | None:
+        """The session a plain `generate` names, whose target cache it continues when the session's transcript
+        starts the prompt (`Session.starts`): an edge that hands the rest of a reply to the server pays no prefill.
+        None when it names none or one that is gone (the prompt is prefilled as usual); another owner's is an
+        error, as for any session request."""
+        return self.session(conn, session_id) if session_id and session_id in self.sessions else None
 
     async def on_close(self, conn: Connection, msg: P.Message) -> None:
         s = self.session(conn, msg.fields.get("session_id"))

@@ -149,12 +149,15 @@ class Model:
         return self._engines[drafter]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, drafter: str, seed: int | None,
-                 emit: Callable[[str], None], copy_tokens: int | None = None) -> bytes:
-        """Server-only generation; `emit` gets each new piece of text; `copy_tokens` the longest copy chain verified
-        (default: the engine's). Returns the `done` frame."""
+                 emit: Callable[[str, list[int]], None], copy_tokens: int | None = None,
+                 runner: TargetRunner | None = None) -> bytes:
+        """Server-only generation; `emit` gets each new piece of text and its token ids; `copy_tokens` the longest
+        copy chain verified (default: the engine's); `runner` a cache holding a prefix of `prompt` to continue
+        (`SpeculativeEngine.generate`). Returns the `done` frame."""
         t0 = time.perf_counter()
         result = self.engine(drafter).generate(prompt, max_new_tokens, sampling.temperature, sampling.top_p,
-                                               sampling.top_k, streamer=emit, seed=seed, copy_tokens=copy_tokens)
+                                               sampling.top_k, streamer=emit, seed=seed, copy_tokens=copy_tokens,
+                                               runner=runner)
         self.metrics.target_seconds += time.perf_counter() - t0
         return P.encode(P.DONE, {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
                                  "stats": result.stats.as_dict()})
@@ -189,6 +192,11 @@ class Session:
     @property
     def used(self) -> bool:
         return self.runner is not None
+
+    def starts(self, prompt: list[int]) -> bool:
+        """Whether the committed transcript, with its cache, is a prefix of `prompt`."""
+        n = len(self.tokens)
+        return self.runner is not None and 0 < n <= len(prompt) and self.tokens == prompt[:n]
 
     def recover(self) -> None:
         """After an operation failed half-way: the target cache back to the committed transcript (a pending next

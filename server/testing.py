@@ -108,15 +108,20 @@ class Client:
         return self.call(P.HELLO, {**fields, "auth": auth} if auth else fields)
 
     def generate(self, prompt: list[int], max_new_tokens: int, drafter: str = "none", temperature: float = 0.0,
-                 seed: int | None = None, copy_tokens: int | None = None) -> tuple[list[str], P.Message]:
-        """Server-side generation: the streamed text pieces and the `done` message."""
+                 seed: int | None = None, copy_tokens: int | None = None, session_id: str | None = None,
+                 streamed: list[int] | None = None) -> tuple[list[str], P.Message]:
+        """Server-side generation: the streamed text pieces and the `done` message; `streamed` gets the streamed
+        token ids; `session_id` names a session whose cache it may continue."""
         copy = {} if copy_tokens is None else {"copy_tokens": copy_tokens}
         self.ws.send(P.encode(P.GENERATE, {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0,
-                                           "top_k": 0, "drafter": drafter, "seed": seed, **copy},
+                                           "top_k": 0, "drafter": drafter, "seed": seed, "session_id": session_id,
+                                           **copy},
                               {"tokens": np.asarray(prompt, np.int32)}))
         pieces = []
         while (msg := self.recv()).type == P.TOKEN:
             pieces.append(msg.fields["text"])
+            if streamed is not None:
+                streamed.extend(msg.fields["tokens"])
         if msg.type == P.ERROR:
             raise ServerError(msg)
         return pieces, msg

@@ -116,6 +116,38 @@ def test_edge_lets_the_server_generate_while_speculation_does_not_pay(env, refer
         assert any("pays again" in r.getMessage() for r in caplog.records)
 
 
+def test_a_reply_handed_over_mid_way_is_the_api_text(env, reference, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    with session(env) as s:
+        chunks = list(s.generate(PROMPT, max_new_tokens=NEW, handover_after=4))
+        assert s.result.token_ids == reference and apply(chunks) == s.result.text
+        assert 0 < s.stats.handover_tokens < NEW and s.stats.verify_calls > 0 and s.result.unverified == 0
+        assert "rest of this reply alone" in caplog.text
+    for handover in (True, False):  # the Pacer's verdict turns against speculation in the middle of the reply
+        with session(env, tree="auto", handover=handover) as s:
+            chunks = s.generate(PROMPT, max_new_tokens=NEW)
+            shown = pull_until(chunks, lambda: s.stats.verify_calls >= 1)
+            for _ in range(10):  # rounds that made one token a second: far slower than the server alone
+                s.pacer.observe(True, 1, 1.0)
+            shown += list(chunks)
+            assert s.result.token_ids == reference and apply(shown) == s.result.text
+            assert (s.stats.handover_tokens > 0) == handover and s.stats.mode == "speculative"
+
+
+def test_link_lost_during_a_handover_goes_offline_and_resumes(env, reference, caplog):
+    caplog.set_level(logging.INFO, "moa.edge")
+    with session(env, backoff_s=FAST_BACKOFF) as s:
+        chunks = s.generate(PROMPT, max_new_tokens=NEW, handover_after=4)
+        shown = pull_until(chunks, lambda: s.stats.handover_tokens > 0)
+        handed = len(s.tokens) - len(s.prompt)  # verified tokens, the root and the server's own after it
+        s._link.close()  # the link drops while the server streams
+        shown += list(chunks)
+        out = s.result.token_ids
+        assert out[:handed] == reference[:handed] and apply(shown) == s.result.text  # nothing lost or repeated
+        assert "offline" in caplog.text and s.stats.reconnects == 1
+        assert s.result.unverified == s.stats.offline_tokens  # the server's own tokens count as verified
+
+
 def test_async_session(env, reference):
     async def run() -> tuple[str, list[int]]:
         s = await AsyncEdgeSession.open(env["bundle"], env["main"].url, TOKEN, tree=TREE, threads=1)

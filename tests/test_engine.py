@@ -259,11 +259,24 @@ def test_stop_strings_and_streaming(tiny):
     engine = SpeculativeEngine(tiny, None)
     full = engine.generate("hello", max_new_tokens=30)
     stop = full.text[5:8]
-    chunks = []
-    cut = engine.generate("hello", max_new_tokens=30, stop=[stop], streamer=chunks.append)
+    chunks, ids = [], []
+    cut = engine.generate("hello", max_new_tokens=30, stop=[stop],
+                          streamer=lambda text, new: (chunks.append(text), ids.extend(new)))
     assert cut.finish_reason == "stop" and stop in cut.text and len(cut.token_ids) < len(full.token_ids)
     assert full.text.startswith(cut.text.rstrip())
-    assert "".join(chunks).startswith(cut.text[:5])
+    assert "".join(chunks).startswith(cut.text[:5]) and ids[:len(cut.token_ids)] == cut.token_ids
+
+
+def test_generate_continues_a_target_cache(tiny, tiny_moa):
+    prompt = [5, 6, 7, 8, 9]
+    engine = SpeculativeEngine(tiny, None)
+    runner = tiny.new_runner()
+    runner.forward(prompt[:3])
+    continued = engine.generate(prompt, max_new_tokens=12, runner=runner)
+    assert continued.token_ids == engine.generate(prompt, max_new_tokens=12).token_ids
+    assert continued.stats.cached_tokens == 3 and runner.length > len(prompt)
+    with pytest.raises(ValueError, match="plain decoding"):
+        SpeculativeEngine(tiny, tiny_moa).generate(prompt, runner=tiny.new_runner())
 
 
 def sample_first_two(tiny, drafter, prompt, root, sampling, n, residual, copy=None):

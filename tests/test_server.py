@@ -176,6 +176,33 @@ def test_generate_verifies_copy_chains(server, tiny):
         assert info.value.code == P.E_LIMIT
 
 
+def test_generate_continues_a_session_cache(server, model, drafter, prompts, vanilla, tiny):
+    """A plain `generate` naming a session whose transcript starts the prompt continues its target cache (an edge
+    handing a reply over pays no prefill); the session's own transcript goes on untouched."""
+    prompt = prompts[2]
+    with Client(server.url, "alice") as c:
+        sc = edge(c, model, drafter)
+        sc.prefill(prompt)
+        sc.round()
+        transcript, length = list(sc.core.tokens), sc.core.length  # committed + the pending root
+        want = SpeculativeEngine(tiny, None).generate(transcript, max_new_tokens=12).token_ids
+        streamed: list[int] = []
+        pieces, done = c.generate(transcript, 12, session_id=sc.core.session_id, streamed=streamed)
+        assert done.fields["tokens"] == streamed == want and "".join(pieces) == done.fields["text"]
+        assert done.fields["stats"]["cached_tokens"] == length
+        other = transcript[:-2] + [(transcript[-2] + 1) % tiny.spec.vocab_size, transcript[-1]]  # not its transcript
+        done = c.generate(other, 12, session_id=sc.core.session_id)[1]
+        assert done.fields["stats"]["cached_tokens"] == 0
+        assert done.fields["tokens"] == SpeculativeEngine(tiny, None).generate(other, max_new_tokens=12).token_ids
+        assert c.generate(transcript, 4, session_id="gone")[1].fields["stats"]["cached_tokens"] == 0
+        assert sc.continue_until(len(prompt), NEW, tiny.eos_token_ids) == vanilla[tuple(prompt)]
+        with Client(server.url, "bob") as b:
+            b.hello(model.fingerprint)
+            with pytest.raises(ServerError) as info:
+                b.generate(transcript, 4, session_id=sc.core.session_id)
+            assert info.value.code == P.E_FOREIGN_SESSION
+
+
 def test_sampling_verify(server, model, drafter, prompts, tiny):
     with Client(server.url, "alice") as c:
         sc = edge(c, model, drafter, temperature=0.9, seed=1)
