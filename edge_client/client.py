@@ -383,7 +383,7 @@ class EdgeSession:
             if mode == "speculative":  # api mode never drafts: no budget to fit
                 tree, self.tree_note, self.tuner = fit_tree(tree, self.bundle, self.step, self._link, self.rtt_s)
                 self._use_tree(tree)
-                # a switch to the server alone lasts a whole generation: probe speculation again rarely
+                # a switch to the server alone lasts the rest of a reply or whole ones: probe speculation again rarely
                 self.pacer = Pacer(self.choice, probe_after=512) if self.choice else None
                 self._paid = self.pacer.pays if self.pacer else True  # the verdict last reported
                 log.info("connected to %s: target %s, session %s, tree %s (%s)", server, self.target,

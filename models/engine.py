@@ -265,13 +265,14 @@ class SpeculativeEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         stop: list[str] | None = None,
-        streamer: Callable[[str, list[int]], None] | None = None,
+        streamer: Callable[[str], None] | None = None,
         seed: int | None = None,
         copy_tokens: int | None = None,
         runner: TargetRunner | None = None,
+        token_streamer: Callable[[str, list[int]], None] | None = None,
     ) -> GenerationResult:
-        """`streamer` gets the new text and the new token ids after every round; `copy_tokens`: this generation's
-        longest copy chain (default: the engine's). `runner`: a target cache that already holds a prefix of the
+        """`streamer` gets the new text after every round, `token_streamer` the new text and the new token ids (the
+        server streams both); `copy_tokens`: this generation's longest copy chain (default: the engine's). `runner`: a target cache that already holds a prefix of the
         prompt, continued instead of prefilling it again (plain decoding only: a drafter needs the whole prompt's
         activations); the caller checks that it is a prefix, and gets it back grown by this generation."""
         if runner is not None and self.step is not None:
@@ -348,9 +349,12 @@ class SpeculativeEngine:
                     self._warned = True
             stats.acceptance_lengths.append(len(new))
             out, reason = checker.cut(out + new, max_new_tokens)
-            if streamer is not None:
+            if streamer is not None or token_streamer is not None:
                 text = self.target.tokenizer.decode(out, skip_special_tokens=True)
-                streamer(text[printed:], out[sent:])
+                if streamer is not None:
+                    streamer(text[printed:])
+                if token_streamer is not None:
+                    token_streamer(text[printed:], out[sent:])
                 printed, sent = len(text), len(out)
         stats.new_tokens = len(out)
         stats.total_s = time.perf_counter() - t0

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                                        draft_precision=args.draft_precision)
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
-    streamer = None if args.json else lambda text, _ids: print(text, end="", flush=True)
+    streamer = None if args.json else lambda text: print(text, end="", flush=True)
     res = engine.generate(prompt, args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.stop, streamer,
                           args.seed)
     s = res.stats

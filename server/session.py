@@ -156,7 +156,7 @@ class Model:
         (`SpeculativeEngine.generate`). Returns the `done` frame."""
         t0 = time.perf_counter()
         result = self.engine(drafter).generate(prompt, max_new_tokens, sampling.temperature, sampling.top_p,
-                                               sampling.top_k, streamer=emit, seed=seed, copy_tokens=copy_tokens,
+                                               sampling.top_k, token_streamer=emit, seed=seed, copy_tokens=copy_tokens,
                                                runner=runner)
         self.metrics.target_seconds += time.perf_counter() - t0
         return P.encode(P.DONE, {"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,

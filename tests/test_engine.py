@@ -260,8 +260,8 @@ def test_stop_strings_and_streaming(tiny):
     full = engine.generate("hello", max_new_tokens=30)
     stop = full.text[5:8]
     chunks, ids = [], []
-    cut = engine.generate("hello", max_new_tokens=30, stop=[stop],
-                          streamer=lambda text, new: (chunks.append(text), ids.extend(new)))
+    cut = engine.generate("hello", max_new_tokens=30, stop=[stop], streamer=chunks.append,
+                          token_streamer=lambda _text, new: ids.extend(new))
     assert cut.finish_reason == "stop" and stop in cut.text and len(cut.token_ids) < len(full.token_ids)
     assert full.text.startswith(cut.text.rstrip())
     assert "".join(chunks).startswith(cut.text[:5]) and ids[:len(cut.token_ids)] == cut.token_ids
