@@ -119,6 +119,7 @@ def build_continuers(target: Target, methods: list[str], drafters: dict[str, str
                      temperature: float = 0.0) -> dict[str, Continuer]:
     """`moa`/`eagle` unguarded and (unless `guard` is None) `+guard`, and `lookup`; `drafters` maps moa/eagle to a
     shipped name or a directory."""
+    from models.drafter import require_edge_drafter
     from models.registry import load_drafter
 
     unknown = [m for m in methods if m not in METHODS]
@@ -129,7 +130,7 @@ def build_continuers(target: Target, methods: list[str], drafters: dict[str, str
         if m == "lookup":
             out[m] = Continuer(target)
             continue
-        drafter = load_drafter(drafters[m], target)
+        drafter = require_edge_drafter(load_drafter(drafters[m], target))  # offline is the edge's, alone
         out[m] = Continuer(target, drafter, None, temperature)
         if guard is not None:
             out[f"{m}+guard"] = Continuer(target, drafter, guard, temperature)

@@ -46,7 +46,7 @@ from moa_core.protocol import PROTOCOL_VERSION
 from edge_client.runtime import OUTPUTS, OrtDraftStep
 from moa_core.tree import TreeConfig
 from models.defaults import resolve_drafter_path
-from models.drafter import Drafter, FingerprintMismatch, bundle_fingerprint
+from models.drafter import Drafter, FingerprintMismatch, OneDeviceOnly, bundle_fingerprint, require_edge_drafter
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.registry import load_drafter, load_target, read_drafter_config
 from models.target import Target, TargetLoadError
@@ -292,8 +292,8 @@ def _load(drafter: str | Path, target: Target | str | None) -> tuple[Path, Targe
         except TargetLoadError as e:
             raise ExportError(str(e)) from None
     try:
-        model = load_drafter(path, target)
-    except FingerprintMismatch as e:
+        model = require_edge_drafter(load_drafter(path, target))
+    except (FingerprintMismatch, OneDeviceOnly) as e:
         raise ExportError(str(e)) from None
     return path, target, model.float()
 

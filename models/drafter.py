@@ -26,21 +26,28 @@ from models.target import Target, TargetStep, hash_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-# the target's own weights (and the draft head, rows of the target's LM head): never saved with the drafter
-SHARED_PREFIXES = ("embed.", "lm_head.", "draft_head.")
+# the target's own weights (the draft head: rows of its LM head; tli: copies of its last layers): never saved
+SHARED_PREFIXES = ("embed.", "lm_head.", "draft_head.", "tli.")
 
 
 class FingerprintMismatch(ValueError):
     """A drafter was loaded against a target it was not trained for."""
 
 
+class OneDeviceOnly(ValueError):
+    """A drafter that drafts on the target's device only (target layer inference) was asked to draft on edges."""
+
+
 @dataclass
 class DraftOutput:
     logits: torch.Tensor  # (B, n, V)
-    features: torch.Tensor  # (B, n, H): the drafter's estimate of the target's last hidden state
+    features: torch.Tensor  # (B, n, H): the drafter's estimate of the target's last hidden state (TLI: of the
+    # hidden state entering the target's last `tli` layers)
     keys: torch.Tensor  # (B, h_kv, T+n, d): self-attention cache after this step
     values: torch.Tensor
     memory: torch.Tensor | None = None  # (B, T, R): MoA's memory rows of a training pass, for reuse
+    head_input: torch.Tensor | None = None  # (B, n, H) what the LM head reads when it is not `features` (MoA's TLI)
+    tli_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # MoA's TLI: per layer the K/V the new rows added
 
 
 class Drafter(nn.Module):
@@ -250,6 +257,16 @@ def distill_loss(
     acc = (logq.argmax(-1) == best).float().mean()
     loss = l1 + ce_weight * ce
     return loss, {"loss": loss.item(), "smooth_l1": l1.item(), "ce": ce.item(), "top1": acc.item()}
+
+
+def require_edge_drafter(drafter: Drafter) -> Drafter:
+    """`drafter`, if it can draft on an edge from memory rows alone; a TLI drafter reads the target's cache."""
+    tli = getattr(drafter.config, "tli", 0)
+    if tli:
+        raise OneDeviceOnly(f"this MoA drafter uses target layer inference (tli={tli}): its drafts go through the "
+                            "target's last layers and their cache, so it drafts on one device only (models.generate, "
+                            "bench single), not from an edge bundle or for a verify server")
+    return drafter
 
 
 def drafter_fingerprint(drafter: Drafter) -> str:

@@ -23,6 +23,7 @@ from moa_core.generation import Prompt, StopRule, encode_prompt
 from moa_core.lookup import COPY_TOKENS, copy_chain
 from moa_core.tree import DraftTree, TreeConfig
 from models.drafter import Drafter
+from models.moa import extend
 from models.lookup import chain_tree
 from models.target import Target, TargetRunner, TargetStep, bf16_supported
 from models.verify import Sampling, sample_token, verify_tree
@@ -46,6 +47,31 @@ class TorchDraftStep:
         self.vocab_size = drafter.lm_head.weight.shape[0]
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.tli = getattr(drafter.config, "tli", 0)
+        self.runner: TargetRunner | None = None  # TLI: the target cache of the sequence being drafted (`follow`)
+        self._drafted: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # TLI K/V of this round's draft slots
+
+    def follow(self, runner: TargetRunner | None) -> None:
+        """Draft for the sequence whose target cache `runner` holds (what a TLI drafter's last layers read)."""
+        self.runner, self._drafted = runner, None
+
+    def _tli_past(self, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per TLI layer the K/V of the first max(slots, verified) cache slots: the target's cache of the verified
+        tokens, then the K/V the TLI layers added for this round's draft slots in the calls before. Without a runner
+        (measuring the draft step's cost) every slot holds zeros."""
+        if self.runner is None:
+            h, d = self.drafter.tli.kv_heads, self.cache_shape[1]
+            zeros = torch.zeros(1, h, slots, d, device=self.device, dtype=self.dtype)
+            return [(zeros, zeros)] * self.tli
+        verified = self.runner.length
+        past = [(layer.keys[:, :, :verified], layer.values[:, :, :verified])
+                for layer in self.runner.cache.layers[-self.tli:]]
+        if slots <= verified:
+            return past
+        if self._drafted is None or self._drafted[0][0].shape[2] != slots - verified:
+            raise RuntimeError(f"TLI: {slots - verified} draft slots past the target's cache, but "
+                               f"{0 if self._drafted is None else self._drafted[0][0].shape[2]} kept")
+        return extend(past, self._drafted)
 
     def _t(self, x: np.ndarray | None, dtype=None) -> torch.Tensor | None:
         if x is None:
@@ -54,9 +80,16 @@ class TorchDraftStep:
 
     @torch.no_grad()
     def __call__(self, ids, positions, past_k, past_v, mask, memory, features):
+        tli = {}
+        if self.tli:
+            slots = past_k.shape[1]
+            tli["tli_past"] = self._tli_past(slots)
         out = self.drafter.draft_step(
             self._t(ids, torch.long), self._t(positions, torch.long), self._t(past_k), self._t(past_v),
-            self._t(mask).unsqueeze(0), memory=self._t(memory), features=self._t(features))
+            self._t(mask).unsqueeze(0), memory=self._t(memory), features=self._t(features), **tli)
+        if self.tli and self.runner is not None:
+            drafted = slots > self.runner.length
+            self._drafted = extend(self._drafted, out.tli_kv) if drafted else out.tli_kv
         return tuple(x[0].float().cpu().numpy() for x in (out.logits, out.features, out.keys, out.values))
 
     @torch.no_grad()
@@ -301,6 +334,8 @@ class SpeculativeEngine:
         root = sample_token(step.logits[-1], sampling, g)
         prefill_s = time.perf_counter() - t0
         session = DraftSession(self.step, self.candidates) if self.step is not None else None
+        if isinstance(self.step, TorchDraftStep):
+            self.step.follow(runner)
         behind: list[tuple[list[int], TargetStep]] = [(ids, step)] if session else []  # verified, not yet in session
         out: list[int] = []
         printed = sent = 0  # characters and tokens streamed

@@ -25,6 +25,7 @@ from moa_core import protocol
 from moa_core.budget import expected_tau
 from models.data import DataStats, Encoded, as_encoded, encode_samples, iter_source, write_json
 from models.drafter import Drafter
+from models.moa import extend
 from models.registry import LOAD_ERRORS, load_drafter, load_target
 from models.target import Target
 
@@ -67,12 +68,17 @@ def chain_agreement(
         for s in starts:
             k, v = whole.keys[:, :, : s + 1], whole.values[:, :, : s + 1]
             feat = hidden[:, s : s + 1]
+            # TLI: the target's last layers see its own K/V of the verified tokens, then the drafted ones'
+            tli = {"tli_past": drafter.target_context(full.keys[:, :, : s + 1], full.values[:, :, : s + 1])} \
+                if getattr(drafter.config, "tli", 0) else {}
             run, leading = 0, True
             for d in range(1, depth + 1):
                 i = s + d
                 out = drafter.draft_step(ids[:, i : i + 1], positions[:, i : i + 1], k, v, None,
-                                         memory=memory[:, : s + 1], features=feat)
+                                         memory=memory[:, : s + 1], features=feat, **tli)
                 k, v, feat = out.keys, out.values, out.features
+                if tli:
+                    tli["tli_past"] = extend(tli["tli_past"], out.tli_kv)
                 ranked = drafter.token_ids(out.logits[0, -1].topk(max(widths)).indices)
                 for w_i, w in enumerate(widths):
                     hits[w_i, d - 1] += bool((ranked[:w] == greedy[i]).any())

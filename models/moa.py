@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.drafter import Drafter, DraftOutput
-from models.layers import CrossAttentionLayer, DecoderLayer, LayerConfig
+from models.layers import CrossAttentionLayer, DecoderLayer, LayerConfig, attend
 from models.target import Target, TargetSpec, TargetStep
 
 
@@ -35,6 +36,7 @@ class MoAConfig:
     lsa_pool: str = "mean"  # mean: the paper's plain average of the L outputs; weighted: learned per-layer weights
     lsa_skip_layers: int = 0  # the last n target layers' raw [key; value] also reach m_t through a Linear (0: the paper)
     fused_memory: str = ""  # summary (m_s) | hidden (target's h_s): newest visible entry joins CA's queries
+    tli: int = 0  # target layer inference: the CA output goes through the target's last `tli` layers (one device)
 
     @classmethod
     def for_target(cls, spec: TargetSpec, **overrides) -> "MoAConfig":
@@ -97,6 +99,9 @@ class MoADrafter(Drafter):
         self.fuse: nn.Linear | None = None
         if config.fused_memory:
             self.use_fused_memory(config.fused_memory)
+        self.tli: TargetTail | None = None
+        if config.tli:
+            self.use_target_layers(config.tli, target)
 
     def use_weighted_pool(self) -> None:
         """Pool the LSA's L outputs with learned per-layer weights, starting at the plain mean (so a drafter
@@ -139,6 +144,29 @@ class MoADrafter(Drafter):
             self.fuse = nn.Linear(w.shape[0], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
             nn.init.zeros_(self.fuse.weight)
         self.config.fused_memory = source
+
+    def use_target_layers(self, n: int, target: Target) -> None:
+        """Target layer inference (the paper's TLI = n): the CA output becomes the drafter's estimate of the target's
+        hidden state before its last n layers, and goes through copies of those layers (frozen, never saved) and the
+        final norm before the LM head. Their attention reads the target's own cache of the verified tokens and the
+        drafter's K/V of the drafted ones (`draft_step`'s `tli_past`), so the drafts pass the target's last layers as
+        the target would run them. A drafter that had none must learn the new estimate (a leg with `--tli n`); it
+        needs the target's cache, so it drafts on one device only (no edge bundle)."""
+        L = self.config.target_layers
+        if not 0 < n < L:
+            raise ValueError(f"tli is 1..{L - 1} (target layers the drafts go through), got {n}")
+        if self.tli is not None and self.config.tli != n:
+            raise ValueError(f"this drafter goes through the target's last {self.config.tli} layers, not {n}")
+        if self.tli is None:
+            w = self.lsa_proj.weight
+            self.tli = TargetTail(target, n).to(device=w.device, dtype=w.dtype)
+        self.config.tli = n
+
+    def target_context(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The TLI layers' slice of a target step's flattened K/V (B, L, n, h_kv*d) -> per layer (B, h_kv, n, d)."""
+        h = self.tli.kv_heads
+        heads = lambda x: x.unflatten(-1, (h, -1)).transpose(1, 2)  # noqa: E731 (split_heads, for n = 0 too)
+        return [(heads(keys[:, i]), heads(values[:, i])) for i in range(-self.config.tli, 0)]
 
     def added_parameters(self) -> list[nn.Parameter]:
         added = [self.lsa_weights] + [m.weight for m in (self.lsa_skip, self.fuse) if m is not None]
@@ -202,8 +230,13 @@ class MoADrafter(Drafter):
         return torch.cat([rows, m if self.config.fused_memory == "summary" else step.hidden.to(m.dtype)], dim=-1)
 
     def draft_step(self, ids, positions, past_k, past_v, mask, memory=None, features=None, memory_mask=None,
-                   with_logits=True, fused_mask=None):
-        """`fused_mask` (training only) picks the fused entry from other rows than CA sees (default: CA's)."""
+                   with_logits=True, fused_mask=None, tli_past=None):
+        """`fused_mask` (training only) picks the fused entry from other rows than CA sees (default: CA's).
+
+        With TLI, `tli_past` holds per TLI layer the K/V (B, h_kv, Q, d) of the first Q >= T cache slots (the
+        target's for verified tokens, the drafter's for drafted ones; Q > T when new rows are verified tokens, which
+        then keep the target's); the new rows from slot Q on add their own (`out.tli_kv`), and `mask` covers T + n
+        slots as for SA. None: no slot before the new rows (Q = T = 0)."""
         x = self.embed(ids)
         x, k, v = self.sa(x, positions, mask, past_k, past_v)
         if self.fuse is not None:
@@ -212,7 +245,12 @@ class MoADrafter(Drafter):
             x = x + self.fuse(newest_visible(memory[..., width:], picked))
             memory = memory[..., :width]
         x = self.ca(x, positions, memory, memory_mask)
-        return DraftOutput(self.head(x) if with_logits else None, x, k, v)
+        if self.tli is None:
+            return DraftOutput(self.head(x) if with_logits else None, x, k, v)
+        slots = 0 if past_k is None else past_k.shape[2]
+        own_from = 0 if tli_past is None else tli_past[0][0].shape[2] - slots
+        final, tli_kv = self.tli(x, positions, mask, tli_past, own_from)
+        return DraftOutput(self.head(final) if with_logits else None, x, k, v, head_input=final, tli_kv=tli_kv)
 
     def train_forward(self, ids, step: TargetStep, positions, sa_mask, memory_mask, memory=None,
                       fused_mask=None) -> DraftOutput:
@@ -220,8 +258,59 @@ class MoADrafter(Drafter):
         memory = self.memory_rows(step, positions) if memory is None else memory
         out = self.draft_step(ids, positions, None, None, sa_mask, memory=memory, memory_mask=memory_mask,
                               with_logits=False, fused_mask=fused_mask)
+        if self.tli is not None:
+            # the TLI layers at i see the target's K/V of the verified tokens (CA's memory mask: j <= s(i)) and
+            # their own of the drafted ones, s(i) < j <= i
+            t = ids.shape[1]
+            i, j = torch.arange(t).view(t, 1), torch.arange(t).view(1, t)
+            last = (memory_mask[:, 0] == 0).long().cumsum(-1).argmax(-1, keepdim=True)  # (B|1, t, 1): s(i)
+            drafted = (j > last) & (j <= i)
+            own = torch.zeros(drafted.shape, dtype=memory_mask.dtype).masked_fill(~drafted, float("-inf"))
+            mask = torch.cat([memory_mask, own.unsqueeze(1)], dim=-1)
+            out.head_input, _ = self.tli(out.features, positions, mask, self.target_context(step.keys, step.values), 0)
         out.memory = memory
         return out
+
+
+class TargetTail(nn.Module):
+    """Copies of the target's last n decoder layers and its final norm (and rotary embedding), frozen: TLI."""
+
+    def __init__(self, target: Target, n: int):
+        super().__init__()
+        model = target.model.model
+        layers = model.layers[: model.config.num_hidden_layers]
+        self.layers = nn.ModuleList(copy.deepcopy(list(layers[len(layers) - n:])))
+        self.norm = copy.deepcopy(model.norm)
+        self.rotary = copy.deepcopy(model.rotary_emb)
+        self.kv_heads = target.spec.n_kv_heads
+        self.requires_grad_(False)
+
+    def forward(self, x, positions, mask, past, own_from: int):
+        """x (B, n, H) at `positions` (B, n); past: per layer (k, v) (B, h_kv, Q, d) or None; the rows from
+        `own_from` on add their own K/V after it (the earlier rows' slots are in `past`); mask (B|1, 1, n, slots).
+        -> the final-normed output (the LM head's input) and per layer the K/V the rows added."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = self.rotary(x, position_ids=positions)
+        added = []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (*x.shape[:2], -1, a.head_dim)
+            q, k, v = (proj(h).view(shape).transpose(1, 2) for proj in (a.q_proj, a.k_proj, a.v_proj))
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = k[:, :, own_from:], v[:, :, own_from:]
+            added.append((k, v))
+            if past is not None:
+                k, v = torch.cat([past[i][0].to(k.dtype), k], 2), torch.cat([past[i][1].to(v.dtype), v], 2)
+            x = x + a.o_proj(attend(q, k, v, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x), added
+
+
+def extend(past: list[tuple[torch.Tensor, torch.Tensor]], added: list[tuple[torch.Tensor, torch.Tensor]]):
+    """TLI context: per layer, the K/V of `past` slots followed by those `added` (`DraftOutput.tli_kv`)."""
+    return [(torch.cat([pk, ak], 2), torch.cat([pv, av], 2)) for (pk, pv), (ak, av) in zip(past, added)]
 
 
 def newest_visible(entries: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

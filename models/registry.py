@@ -14,14 +14,15 @@ import torch
 
 from models.cpu_gemm import use_onednn
 from models.defaults import resolve_drafter_path
-from models.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, FingerprintMismatch
+from models.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, FingerprintMismatch, OneDeviceOnly
 from models.eagle import EagleDrafter
 from models.moa import MoADrafter
 from models.target import QUANTIZE, Target, TargetLoadError, load_pretrained
 
 DRAFTERS: dict[str, type[Drafter]] = {"moa": MoADrafter, "eagle": EagleDrafter}
-LOAD_ERRORS = (OSError, TargetLoadError, FingerprintMismatch)
-"""What a missing file, an unknown target or a drafter of another target raise: a command line says `error: ...`."""
+LOAD_ERRORS = (OSError, TargetLoadError, FingerprintMismatch, OneDeviceOnly)
+"""What a missing file, an unknown target, a drafter of another target or a one-device drafter asked to serve edges
+raise: a command line says `error: ...`."""
 
 
 def load_target(name: str = "default", dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",

@@ -67,6 +67,7 @@ class TrainConfig:
     lsa_skip_layers: int = 0  # MoA: add a zero-initialised Linear from the last n layers' [key; value] to m_t
     ca_kv_heads: int = 0  # MoA: widen CA (and so the memory rows) to this many key/value heads (0 keeps them)
     fused_memory: str = ""  # MoA: summary | hidden: add the newest visible m_s or h_s to the query stream before CA
+    tli: int = 0  # MoA: target layer inference through the target's last N layers (0 keeps the drafter's own)
     eval_every: int = 200
     eval_samples: int = 8
     final_eval_samples: int = 40
@@ -134,6 +135,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
                         "state h_s, a position may see (its last sync point's) to its query stream before CA, through "
                         "a Linear starting at zero (EAGLE-like: the drafting position holds the target's state); "
                         "every memory row then also carries it (hidden_size more numbers; not in the paper)",
+        "tli": "MoA only: target layer inference (the paper's TLI): the drafter estimates the hidden state entering "
+               "the target's last N layers, and its drafts go through copies of them (frozen, reading the target's "
+               "cache) before the LM head. Such a drafter drafts on one device only (no edge bundle); a --init "
+               "drafter without it must learn the new estimate (0 keeps the drafter's own)",
         "eval_every": "held-out evaluation every N steps",
         "eval_samples": "held-out conversations used by the periodic evaluation",
         "final_eval_samples": "held-out conversations of the final evaluation (eval.json, the training record)",
@@ -215,19 +220,28 @@ def train_step_loss(drafter, target, ids, resp, lengths, cfg: TrainConfig, step:
     sa_mask = self_attention_mask(last, lengths, restrict, dtype)
     with autocast(cfg.precision, ids.device, drafter.embed.weight.dtype):
         out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(last, dtype))
-        loss, logs = distill_loss(out.features, full.hidden, drafter.head, weights, cfg.ce_weight, cfg.ce_fraction,
-                                  g, topk, drafter.vocab_index())
+        loss, logs = distill_loss(head_input(out), full.hidden, drafter.head, weights, cfg.ce_weight,
+                                  cfg.ce_fraction, g, topk, drafter.vocab_index())
         if cfg.sync_weight:
             # depth 0: every position is its own last sync point
             fused = depth0_fused_mask(cfg.sync_fused, last, positions, g, dtype)
             own_out = drafter.train_forward(ids, full, positions, sa_mask, memory_mask(positions, dtype), out.memory,
                                             fused_mask=fused)
             own_weights = loss_positions(resp, positions) & pad.bool()
-            own_loss, own_logs = distill_loss(own_out.features, full.hidden, drafter.head, own_weights,
+            own_loss, own_logs = distill_loss(head_input(own_out), full.hidden, drafter.head, own_weights,
                                               cfg.ce_weight, cfg.ce_fraction, g, topk, drafter.vocab_index())
             loss = loss + cfg.sync_weight * own_loss
             logs.update(loss=loss.item(), sync_loss=own_logs["loss"], sync_top1=own_logs["top1"])
     return (loss, logs), int(pad.sum())
+
+
+def head_input(out) -> torch.Tensor:
+    """What the loss compares with the target's last hidden state: what the LM head reads. With target layer
+    inference that is the output of the target's last layers, the drafter's own output being its estimate of their
+    input. (The paper fits that input itself; the residual stream entering SmolLM2's last layer carries activations
+    in the hundreds, whose SmoothL1 drowned the rest: loss 25 and top-1 0.00 in the first steps from the shipped
+    drafter.)"""
+    return out.features if out.head_input is None else out.head_input
 
 
 def depth0_fused_mask(how: str, last: torch.Tensor, positions: torch.Tensor, g: torch.Generator,
@@ -257,10 +271,12 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
             raise ValueError(f"--layer-init is random or target, got {cfg.layer_init!r}")
     if drafter.arch != cfg.arch:
         raise ValueError(f"--init {cfg.init} is a {drafter.arch} drafter, not {cfg.arch}")
-    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers or cfg.ca_kv_heads or cfg.fused_memory) \
+    if (cfg.sync_weight or cfg.lsa_pool or cfg.lsa_skip_layers or cfg.ca_kv_heads or cfg.fused_memory or cfg.tli) \
             and drafter.arch != "moa":
-        raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers, --ca-kv-heads and --fused-memory are for MoA "
-                         "drafters (EAGLE has no LSA or memory rows)")
+        raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers, --ca-kv-heads, --fused-memory and --tli are "
+                         "for MoA drafters (EAGLE has no LSA or memory rows)")
+    if cfg.tli:
+        drafter.use_target_layers(cfg.tli, target)
     if cfg.lsa_skip_layers:
         drafter.use_lsa_skip(cfg.lsa_skip_layers)
     if cfg.ca_kv_heads:

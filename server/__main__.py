@@ -63,14 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     check_address(config.host, config.port)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from models.drafter import FingerprintMismatch
+    from models.drafter import FingerprintMismatch, OneDeviceOnly
     from models.target import TargetLoadError
     from server.app import App
     from server.auth import Credentials
 
     try:
         model = load_model(config)
-    except (TargetLoadError, FingerprintMismatch, FileNotFoundError) as e:
+    except (TargetLoadError, FingerprintMismatch, OneDeviceOnly, FileNotFoundError) as e:
         hint = " (--drafter none serves generate only)" if isinstance(e, FileNotFoundError) else ""
         sys.exit(f"moa-server: {e}{hint}")
     try:

@@ -25,7 +25,7 @@ from moa_core.budget import MAX_TREE
 from moa_core.tree import DraftTree
 from models.batching import Batcher, Histogram
 from models.costmodel import measure_costs
-from models.drafter import Drafter, bundle_fingerprint
+from models.drafter import Drafter, bundle_fingerprint, require_edge_drafter
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.target import Target, TargetRunner, TargetStep
 from models.verify import Sampling, sample_token, verify_tree
@@ -97,7 +97,7 @@ class Model:
     def __init__(self, target: Target, drafter: Drafter | None, limits: Limits = Limits(), tree: str = "auto",
                  batching: Batching = Batching()):
         self.target = target
-        self.drafter = drafter
+        self.drafter = drafter if drafter is None else require_edge_drafter(drafter)
         self.memory_head = TorchDraftStep(drafter) if drafter is not None else None
         self.limits = limits
         self.tree = tree  # server-side drafting budget for `generate` with drafter=server

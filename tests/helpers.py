@@ -52,11 +52,11 @@ def greedy_continuations(target, n: int, prompt_len: int = 6, new: int = 40, see
     return out
 
 
-def train_tiny(target, arch: str, steps: int = 150, seed: int = 0):
+def train_tiny(target, arch: str, steps: int = 150, seed: int = 0, **sizes):
     """A drafter distilled from the tiny target's own greedy text: high acceptance in seconds."""
     torch.manual_seed(seed)
     data = greedy_continuations(target, 32, seed=seed)
-    drafter = build_drafter(arch, target).train()
+    drafter = build_drafter(arch, target, **sizes).train()
     params = trainable_parameters(drafter)
     opt = torch.optim.AdamW(params, lr=3e-3)
     cfg = TrainConfig(sync_min=2, sync_max=6)
