@@ -52,6 +52,22 @@ def greedy_continuations(target, n: int, prompt_len: int = 6, new: int = 40, see
     return out
 
 
+def lossless_forwards(target, engine, max_new_tokens: int = 40) -> tuple[int, int]:
+    """Greedy output of `engine` equals vanilla decoding on five prompts; returns both runs' target forwards."""
+    from models.engine import SpeculativeEngine
+
+    vanilla = SpeculativeEngine(target, None)
+    forwards = [0, 0]
+    for sample in greedy_continuations(target, 3, seed=0) + greedy_continuations(target, 2, seed=7):
+        prompt = sample.ids[:6]
+        a = vanilla.generate(prompt, max_new_tokens=max_new_tokens)
+        b = engine.generate(prompt, max_new_tokens=max_new_tokens)
+        assert a.token_ids == b.token_ids
+        forwards[0] += a.stats.target_forwards
+        forwards[1] += b.stats.target_forwards
+    return forwards[0], forwards[1]
+
+
 def train_tiny(target, arch: str, steps: int = 150, seed: int = 0, **sizes):
     """A drafter distilled from the tiny target's own greedy text: high acceptance in seconds."""
     torch.manual_seed(seed)

@@ -13,7 +13,8 @@ from moa_core.tree import DraftTree, TreeConfig, ancestor_matrix, build_tree, gr
 from moa_core.lookup import COPY_TOKENS
 from models.engine import SpeculativeEngine, TorchDraftStep
 from models.verify import Sampling, tree_mask_and_positions
-from tests.helpers import chi_square_p, first_two, greedy_continuations, joint_first_two, train_tiny
+from tests.helpers import (chi_square_p, first_two, greedy_continuations, joint_first_two, lossless_forwards,
+                           train_tiny)
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +60,8 @@ def test_tree_budget_is_a_subtree():
 @pytest.mark.parametrize("arch", ["moa", "eagle"])
 @pytest.mark.parametrize("tree", ["5,1,5", "4,2,8", "5,4,16"])
 def test_greedy_is_lossless(tiny, drafters, arch, tree):
-    vanilla = SpeculativeEngine(tiny, None)
-    spec = SpeculativeEngine(tiny, drafters[arch], tree=tree)
-    forwards = [0, 0]
-    for sample in greedy_continuations(tiny, 3, seed=0) + greedy_continuations(tiny, 2, seed=7):
-        prompt = sample.ids[:6]
-        a = vanilla.generate(prompt, max_new_tokens=40)
-        b = spec.generate(prompt, max_new_tokens=40)
-        assert a.token_ids == b.token_ids
-        forwards[0] += a.stats.target_forwards
-        forwards[1] += b.stats.target_forwards
-    assert forwards[1] < 0.6 * forwards[0], forwards  # the drafter really gets paths accepted
+    vanilla, spec = lossless_forwards(tiny, SpeculativeEngine(tiny, drafters[arch], tree=tree))
+    assert spec < 0.6 * vanilla, (vanilla, spec)  # the drafter really gets paths accepted
 
 
 def test_graft_follows_the_tree_then_adds_a_chain():
