@@ -276,7 +276,10 @@ def make_drafter(cfg: TrainConfig, target: Target, train_set) -> Drafter:
         raise ValueError("--sync-weight, --lsa-pool, --lsa-skip-layers, --ca-kv-heads, --fused-memory and --tli are "
                          "for MoA drafters (EAGLE has no LSA or memory rows)")
     if cfg.tli:
+        new = drafter.tli is None
         drafter.use_target_layers(cfg.tli, target)
+        if new:
+            drafter.calibrate_target_layers(target, [s.ids[:256] for s in list(train_set)[:8]])
     if cfg.lsa_skip_layers:
         drafter.use_lsa_skip(cfg.lsa_skip_layers)
     if cfg.ca_kv_heads:

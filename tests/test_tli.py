@@ -10,7 +10,7 @@ from models.moa import extend
 from models.registry import build_drafter, load_drafter
 from models.target import causal_mask
 from models.train import TrainConfig, make_drafter
-from tests.helpers import lossless_forwards, train_tiny
+from tests.helpers import greedy_continuations, lossless_forwards, train_tiny
 from tests.test_drafters import T, masks, positions, sequence
 
 
@@ -99,3 +99,19 @@ def test_tli_options_are_checked(tiny):
         make_drafter(TrainConfig(arch="eagle", tli=1), tiny, [])
     with pytest.raises(ValueError, match="tli is 1..2"):
         build_drafter("moa", tiny, tli=3)
+
+
+def test_calibration_matches_the_tail_input_to_the_target(tiny, tli_drafter):
+    """After `calibrate_target_layers`, the drafter's tail input has, per dimension, the target's mean and spread."""
+    sequences = [s.ids for s in greedy_continuations(tiny, 3, new=20)]
+    tli_drafter.calibrate_target_layers(tiny, sequences)
+    xs, inners = [], []
+    for seq in sequences:
+        ids = torch.tensor([seq])
+        t = ids.shape[1]
+        causal = causal_mask(t, torch.float64).view(1, 1, t, t)
+        out = tli_drafter.train_forward(ids, tiny.full_forward(ids), torch.arange(t).view(1, t), causal, causal)
+        xs.append(tli_drafter.tail_input(out.features)[0])
+        inners.append(tiny.model.model(input_ids=ids, output_hidden_states=True).hidden_states[-2][0])
+    x, inner = torch.cat(xs), torch.cat(inners)
+    assert torch.allclose(x.mean(0), inner.mean(0), atol=1e-6) and torch.allclose(x.std(0), inner.std(0), atol=1e-6)
