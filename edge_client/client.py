@@ -592,8 +592,10 @@ class EdgeSession:
                 drop_after = None
                 self._go_offline(f"link dropped on purpose after {core.length - len(prompt)} verified tokens",
                                  offline_for)
-            elif (handover_after is not None and core.length - len(prompt) >= handover_after) or self._losing():
-                yield from self._hand_over(max_new)
+            elif handover_after is not None and core.length - len(prompt) >= handover_after:
+                yield from self._hand_over(max_new, "as asked")
+            elif self._losing():
+                yield from self._hand_over(max_new, "speculation does not pay in it")
             else:
                 self._verify_round()
 
@@ -664,13 +666,12 @@ class EdgeSession:
         on; a reply that starts as a probe of speculation gets its round first)."""
         return self.handover and self.pacer is not None and not self.pacer.pays and self.stats.verify_calls > 0
 
-    def _hand_over(self, max_new: int) -> Iterator[Chunk]:
+    def _hand_over(self, max_new: int, why: str) -> Iterator[Chunk]:
         """The server generates the rest of this reply alone, from the committed transcript and the pending root,
         continuing the session's target cache. Its tokens join the transcript as they come (`EdgeCore.take_alone`),
         so a link lost meanwhile goes offline from the last of them, and a later sync resumes them."""
         core = self.core
-        log.info("the server generates the rest of this reply alone, after %d tokens%s", len(core.generated),
-                 " (speculation does not pay in it)" if self._losing() else "")
+        log.info("the server generates the rest of this reply alone, after %d tokens (%s)", len(core.generated), why)
         try:
             f = yield from self._server_generates(core.tokens, max_new - len(core.generated), core.session_id,
                                                   lambda ids, _text: self._take_alone(ids, max_new))
