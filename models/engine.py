@@ -60,7 +60,7 @@ class TorchDraftStep:
         tokens, then the K/V the TLI layers added for this round's draft slots in the calls before. Without a runner
         (measuring the draft step's cost) every slot holds zeros."""
         if self.runner is None:
-            h, d = self.drafter.tli.kv_heads, self.cache_shape[1]
+            h, d = self.drafter.tli.kv_heads, self.drafter.tli.layers[0].self_attn.head_dim
             zeros = torch.zeros(1, h, slots, d, device=self.device, dtype=self.dtype)
             return [(zeros, zeros)] * self.tli
         verified = self.runner.length
