@@ -182,7 +182,8 @@ class MoADrafter(Drafter):
             states = target.model.model(input_ids=ids, output_hidden_states=True).hidden_states
             inners.append(states[-1 - self.config.tli][0])
             causal = torch.full((t, t), float("-inf"), device=ids.device).triu(1).view(1, 1, t, t)
-            xs.append(self.train_forward(ids, step, torch.arange(t).view(1, t), causal, causal).features[0])
+            positions = torch.arange(t, device=ids.device).view(1, t)
+            xs.append(self.train_forward(ids, step, positions, causal, causal).features[0])
         x, inner = torch.cat(xs).float(), torch.cat(inners).float()  # memory up to each position, as at depth 0
         scale = inner.std(0) / x.std(0).clamp(min=1e-6)
         self.tli_scale.copy_(scale)
@@ -293,10 +294,11 @@ class MoADrafter(Drafter):
             # the TLI layers at i see the target's K/V of the verified tokens (CA's memory mask: j <= s(i)) and
             # their own of the drafted ones, s(i) < j <= i
             t = ids.shape[1]
-            i, j = torch.arange(t).view(t, 1), torch.arange(t).view(1, t)
+            i, j = torch.arange(t, device=ids.device).view(t, 1), torch.arange(t, device=ids.device).view(1, t)
             last = (memory_mask[:, 0] == 0).long().cumsum(-1).argmax(-1, keepdim=True)  # (B|1, t, 1): s(i)
             drafted = (j > last) & (j <= i)
-            own = torch.zeros(drafted.shape, dtype=memory_mask.dtype).masked_fill(~drafted, float("-inf"))
+            own = torch.zeros(drafted.shape, dtype=memory_mask.dtype, device=ids.device).masked_fill(~drafted,
+                                                                                                     float("-inf"))
             mask = torch.cat([memory_mask, own.unsqueeze(1)], dim=-1)
             out.head_input, _ = self.tli(self.tail_input(out.features), positions, mask,
                                          self.target_context(step.keys, step.values), 0)
