@@ -311,8 +311,8 @@ def export_bundle(drafter: str | Path, out: str | Path, dtype: str = "fp32", tar
     if dtype == "fp16":
         raise ExportError("fp16 bundles are not supported: ONNX Runtime's CPU provider lacks most fp16 kernels and "
                           "the fp16 converter (onnxconverter-common) is not a dependency; use fp32, or int8 for size")
-    out = _prepare_out(Path(out))
     source, target, model = _load(drafter, target)
+    out = _prepare_out(Path(out))
     if dtype == "int8":
         untie_lm_head(model)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))

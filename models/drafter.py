@@ -151,6 +151,11 @@ class Drafter(nn.Module):
         """(h_kv, head_dim) of the self-attention cache."""
         raise NotImplementedError
 
+    @property
+    def tli_layers(self) -> int:
+        """How many of the target's last layers the drafter drafts through (MoA's target layer inference; 0: none)."""
+        return getattr(self.config, "tli", 0)
+
     def added_parameters(self) -> list[nn.Parameter]:
         """Parameters added to the paper's architecture that start where they keep a trained drafter's function
         (at zero, or at the plain mean): at the drafter's own lr they barely move in a leg (`--pool-lr-scale`)."""
@@ -261,7 +266,7 @@ def distill_loss(
 
 def require_edge_drafter(drafter: Drafter) -> Drafter:
     """`drafter`, if it can draft on an edge from memory rows alone; a TLI drafter reads the target's cache."""
-    tli = getattr(drafter.config, "tli", 0)
+    tli = drafter.tli_layers
     if tli:
         raise OneDeviceOnly(f"this MoA drafter uses target layer inference (tli={tli}): its drafts go through the "
                             "target's last layers and their cache, so it drafts on one device only (models.generate, "

@@ -47,7 +47,7 @@ class TorchDraftStep:
         self.vocab_size = drafter.lm_head.weight.shape[0]
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.tli = getattr(drafter.config, "tli", 0)
+        self.tli = drafter.tli_layers
         self.runner: TargetRunner | None = None  # TLI: the target cache of the sequence being drafted (`follow`)
         self._drafted: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # TLI K/V of this round's draft slots
 

@@ -70,7 +70,7 @@ def chain_agreement(
             feat = hidden[:, s : s + 1]
             # TLI: the target's last layers see its own K/V of the verified tokens, then the drafted ones'
             tli = {"tli_past": drafter.target_context(full.keys[:, :, : s + 1], full.values[:, :, : s + 1])} \
-                if getattr(drafter.config, "tli", 0) else {}
+                if drafter.tli_layers else {}
             run, leading = 0, True
             for d in range(1, depth + 1):
                 i = s + d
