@@ -294,11 +294,11 @@ class MoADrafter(Drafter):
             # the TLI layers at i see the target's K/V of the verified tokens (CA's memory mask: j <= s(i)) and
             # their own of the drafted ones, s(i) < j <= i
             t = ids.shape[1]
-            i, j = torch.arange(t, device=ids.device).view(t, 1), torch.arange(t, device=ids.device).view(1, t)
+            index = torch.arange(t, device=ids.device)
+            i, j = index.view(t, 1), index.view(1, t)
             last = (memory_mask[:, 0] == 0).long().cumsum(-1).argmax(-1, keepdim=True)  # (B|1, t, 1): s(i)
             drafted = (j > last) & (j <= i)
-            own = torch.zeros(drafted.shape, dtype=memory_mask.dtype, device=ids.device).masked_fill(~drafted,
-                                                                                                     float("-inf"))
+            own = memory_mask.new_zeros(drafted.shape).masked_fill(~drafted, float("-inf"))
             mask = torch.cat([memory_mask, own.unsqueeze(1)], dim=-1)
             out.head_input, _ = self.tli(self.tail_input(out.features), positions, mask,
                                          self.target_context(step.keys, step.values), 0)
