@@ -341,8 +341,12 @@ class Pacer:
     (`observe`): the rates compare the tokens per round and the time outside the target, which the load does
     not change. While the baseline runs, one speculative round is tried after every `probe_after`
     baseline tokens, so that speculation comes back when it pays again. `pays` is the current belief; callers say
-    so when it changes. Speculation is dropped as soon as it is slower, and taken back only once it leads by
-    `margin`: one lucky probe round does not flip the verdict, and near-equal rates do not flap.
+    so when it changes. Within a generation the verdict has a band: speculation is dropped only once it is slower
+    by `drop_margin`, and taken back only once it leads by `margin`. A drop lasts the rest of a reply (the next
+    probe comes after more tokens than most replies have; an edge hands the reply to the server), and a drafter
+    that pays by a little often averages below break-even over ten unlucky rounds (replayed in `tests/test_budget.py`:
+    one gaining 1.23x always speculating keeps 1.23x with the band, 1.18x without); one lucky probe round does not
+    bring it back either. Each new generation is judged afresh at the drafter's long-run rate, without the band (`restart`).
 
     Counting the target at its predicted cost trusts the start-up timing of a verify round against a decode
     step; a load spike while it was timed would misjudge every round after it. So the Pacer re-times them side by
@@ -352,8 +356,9 @@ class Pacer:
     baseline runs; while speculating, `retime_after` (None: never) makes every so many rounds a baseline step."""
 
     def __init__(self, choice: Choice, weight: float = 0.1, probe_after: int = 256, margin: float = 0.1,
-                 retime_after: int | None = None, retime_weight: float = 0.3, prior_rounds: int = 32):
-        self.weight, self.probe_after, self.margin = weight, probe_after, margin
+                 drop_margin: float = 0.15, retime_after: int | None = None, retime_weight: float = 0.3,
+                 prior_rounds: int = 32):
+        self.weight, self.probe_after, self.margin, self.drop_margin = weight, probe_after, margin, drop_margin
         self.retime_after, self.retime_weight, self.prior_rounds = retime_after, retime_weight, prior_rounds
         self._base = [1.0, choice.baseline_s]  # weighted tokens, seconds
         self.retarget(choice)
@@ -402,7 +407,7 @@ class Pacer:
         self._since_probe = 0 if speculative else self._since_probe + tokens
         self._rounds = self._rounds + 1 if speculative else 0
         spec, base = self.rates()
-        self.pays = spec > base * (1 + self.margin) if not self.pays else spec >= base
+        self.pays = spec >= base * (1 - self.drop_margin) if self.pays else spec > base * (1 + self.margin)
 
     def _retime(self, speculative: bool, ratio: float) -> None:
         """A round whose target time was `ratio` x its prediction; next to one of the other mode, a re-timing."""

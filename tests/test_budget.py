@@ -49,7 +49,7 @@ def test_pacer_follows_what_it_observes():
     choice = choose(AGREEMENT, DRAFT, {n: 0.010 for n in tree_sizes()})
     pacer = Pacer(choice, probe_after=8)
     assert choice.pays and pacer.pays and pacer.speculate()
-    for _ in range(10):  # 1 token per 30 ms against 10 ms per baseline token: within about 1 / weight rounds
+    for _ in range(12):  # 1 token per 30 ms against 10 ms per baseline token: within about 1 / weight rounds
         pacer.observe(True, 1, 0.030)
     assert not pacer.pays and not pacer.speculate()
     for _ in range(7):
@@ -118,7 +118,7 @@ def test_pacer_keeps_a_drafter_that_pays_through_unlucky_rounds():
             out.append(gains[: int(np.searchsorted(np.cumsum(gains), 128)) + 1])
         return out
 
-    good, bad = replies([0.2, 0.3, 0.3, 0.2]), replies([0.75, 0.2, 0.05])
+    good, bad, slim = replies([0.2, 0.3, 0.3, 0.2]), replies([0.75, 0.2, 0.05]), replies([0.3, 0.3, 0.2, 0.2])
     mixed = [r for pair in zip(good[:20], bad[:20]) for r in pair]
     round_s, plain_s = 0.130, 0.068
     choice = Choice(TreeConfig(3, 4, 12), 2.58, round_s, plain_s)  # what the cost model predicted
@@ -127,6 +127,12 @@ def test_pacer_keeps_a_drafter_that_pays_through_unlucky_rounds():
     assert replay(Pacer(choice), good, round_s, plain_s) > 0.95 * always
     assert replay(Pacer(choice), bad, round_s, plain_s) > 0.98
     assert replay(Pacer(choice), mixed, round_s, plain_s) > 1.05
+    # a drafter that pays by less (2.3 tokens a round): ten unlucky rounds average below break-even often, and a
+    # drop lasts the reply; the band keeps it, the Pacer that dropped it as soon as it looked slower did not
+    slim_always = replay(None, slim, round_s, plain_s)
+    assert 1.1 < slim_always < 1.25
+    assert replay(Pacer(choice), slim, round_s, plain_s) > 0.98 * slim_always
+    assert replay(Pacer(choice, drop_margin=0.0), slim, round_s, plain_s) < 0.96 * slim_always
 
     class Before(Pacer):
         def restart(self) -> None:  # the verdict carried over from the end of the last reply
