@@ -344,9 +344,10 @@ class Pacer:
     so when it changes. Within a generation the verdict has a band: speculation is dropped only once it is slower
     by `drop_margin`, and taken back only once it leads by `margin`. A drop lasts the rest of a reply (the next
     probe comes after more tokens than most replies have; an edge hands the reply to the server), and a drafter
-    that pays by a little often averages below break-even over ten unlucky rounds (replayed in `tests/test_budget.py`:
-    one gaining 1.23x always speculating keeps 1.23x with the band, 1.18x without); one lucky probe round does not
-    bring it back either. Each new generation is judged afresh at the drafter's long-run rate, without the band (`restart`).
+    that pays by a little often averages below break-even over ten unlucky rounds (replayed in
+    `tests/test_budget.py`: one gaining 1.23x always speculating keeps 1.23x with the band, 1.18x without); one
+    lucky probe round does not bring it back either. Each new generation is judged afresh at the drafter's
+    long-run rate, without the band (`restart`).
 
     Counting the target at its predicted cost trusts the start-up timing of a verify round against a decode
     step; a load spike while it was timed would misjudge every round after it. So the Pacer re-times them side by
