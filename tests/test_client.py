@@ -141,6 +141,8 @@ def test_link_lost_during_a_handover_goes_offline_and_resumes(env, reference, ca
         shown = pull_until(chunks, lambda: s.stats.handover_tokens > 0)
         handed = len(s.tokens) - len(s.prompt)  # verified tokens, the root and the server's own after it
         s._link.close()  # the link drops while the server streams
+        shown += pull_until(chunks, lambda: s.stats.offline_tokens > 0)
+        assert s.wait_for_link(10)  # the tiny drafter could end the reply offline before the reconnect is back
         shown += list(chunks)
         out = s.result.token_ids
         assert out[:handed] == reference[:handed] and apply(shown) == s.result.text  # nothing lost or repeated
