@@ -26,9 +26,10 @@ from models.defaults import resolve_drafter_path
 
 def run_curve(run: Path) -> dict:
     """One run directory -> {arch, points: [{tokens, wall_s, expected_tau, depth_agreement}], final}."""
-    cfg = json.loads((run / "train_config.json").read_text())
     record_file = run / "drafter" / "training_record.json"
     record = json.loads(record_file.read_text()) if record_file.exists() else None
+    cfg_file = run / "train_config.json"  # an average of legs (models.average) has only its record
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {"arch": record["arch"]}
     prior = {"tokens": 0, "wall_s": 0.0}
     if record and record.get("legs"):  # a finished run: what its own record says came before its leg
         prior = {"tokens": record["tokens_seen"] - record["legs"][-1]["tokens"],
@@ -36,7 +37,7 @@ def run_curve(run: Path) -> dict:
     elif cfg.get("init"):  # still running: the drafter it continues (which a later leg may have replaced since)
         earlier = json.loads((resolve_drafter_path(cfg["init"]) / "config.json").read_text()).get("training") or {}
         prior = {"tokens": earlier.get("tokens_seen", 0), "wall_s": earlier.get("wall_time_s", 0.0)}
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")] if (run / "metrics.jsonl").exists() else []
     by_step = {r["step"]: r for r in rows if "loss" in r}  # a resumed run repeats steps: the last one counts
     evals = {r["step"]: r["eval"] for r in rows if "eval" in r and r["step"] in by_step}
     points = [{"step": step, "tokens": prior["tokens"] + by_step[step]["tokens"],
@@ -91,12 +92,14 @@ def leg_ends(curves: list[dict], arch: str, run_finals: bool = False) -> list[di
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", nargs="+", required=True, help="training output directories (models.train --out)")
+    p.add_argument("--runs", nargs="+", required=True, help="training output directories (models.train or models.average --out)")
     p.add_argument("--out", required=True)
     p.add_argument("--goal", type=float, default=2.5, help="expected tau the log fit is asked to reach (issue 10: 2.5)")
     args = p.parse_args(argv)
-    if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()]:
-        p.error(f"not a training output directory (no train_config.json): {', '.join(missing)}")
+    if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()
+                   and not (Path(r) / "drafter" / "training_record.json").is_file()]:
+        p.error(f"not a training output directory (no train_config.json or drafter/training_record.json): "
+                f"{', '.join(missing)}")
     curves = [run_curve(Path(r)) for r in args.runs]
     for c in curves:
         c["fit"] = log_fit(leg_ends(curves, c["arch"]), args.goal)

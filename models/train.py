@@ -528,16 +528,12 @@ def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: 
         "config": asdict(cfg),
         "heldout": ev,
     }
-    legs = previous_legs(cfg) + [leg]
     record = {
         "arch": cfg.arch,
         "target": target.name,
         "target_fingerprint": target.fingerprint,
         "draft_vocab_size": 0 if drafter.draft_vocab is None else len(drafter.draft_vocab),
-        "tokens_seen": sum(x["tokens"] for x in legs),
-        "steps": sum(x["steps"] for x in legs),
-        "wall_time_s": round(sum(x["wall_time_s"] for x in legs), 1),
-        "legs": legs,
+        **record_of_legs(previous_legs(cfg) + [leg]),
         "heldout": ev,
     }
     drafter.save_pretrained(out / "drafter", dtype=torch.float16, extra={"training": record})
@@ -545,6 +541,12 @@ def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: 
     plot_curves(out / "metrics.jsonl", out / "curves.png")
     print(json.dumps({"arch": cfg.arch, "steps": state.step, "tokens": state.tokens, **ev}), flush=True)
     return record
+
+
+def record_of_legs(legs: list[dict]) -> dict:
+    """A training record's totals over its legs, and the legs."""
+    return {"tokens_seen": sum(x["tokens"] for x in legs), "steps": sum(x["steps"] for x in legs),
+            "wall_time_s": round(sum(x["wall_time_s"] for x in legs), 1), "legs": legs}
 
 
 def previous_legs(cfg: TrainConfig) -> list[dict]:

@@ -31,6 +31,15 @@ def cache(tiny, samples, tmp_path_factory):
     return out
 
 
+def write_conversations(tiny, path, n: int, seed: int):
+    """n conversations of the tiny target's greedy answers, as models.train reads them."""
+    rows = [{"id": s.id, "conversations": [{"role": "user", "content": tiny.tokenizer.decode(s.ids[:6])},
+                                           {"role": "assistant", "content": tiny.tokenizer.decode(s.ids[6:])}]}
+            for s in greedy_continuations(tiny, n, new=30, seed=seed)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.mark.parametrize("arch", ["moa", "eagle"])
 def test_feature_cache_gives_the_in_loop_loss(tiny, samples, cache, arch):
     """A step on cached features (fp16, full top-k) has the loss of a step that runs the target."""
@@ -140,11 +149,7 @@ def test_sampled_regeneration_resumes_beside_greedy_rows(tmp_path):
 def test_training_legs_accumulate(tiny, tmp_path, samples):
     """The feature CLI builds the data split and its cache; a run continued with --init adds a leg to the drafter's
     training record; --steps 0 applies a draft vocab."""
-    rows = [{"id": s.id, "conversations": [{"role": "user", "content": tiny.tokenizer.decode(s.ids[:6])},
-                                           {"role": "assistant", "content": tiny.tokenizer.decode(s.ids[6:])}]}
-            for s in greedy_continuations(tiny, 12, new=30, seed=5)]
-    source = tmp_path / "convs.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = write_conversations(tiny, tmp_path / "convs.jsonl", 12, seed=5)
     common = ["--target", "tiny", "--data", str(tmp_path / "data"), "--source", str(source), "--n-heldout", "2",
               "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1", "--final-eval-samples", "1",
               "--precision", "fp32"]
@@ -185,6 +190,61 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
     assert (tmp_path / "campaign/campaign.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         campaign_main(["--runs", str(tmp_path / "data"), "--out", str(tmp_path / "campaign")])
+
+
+def test_legs_side_by_side_average_into_one_leg(tiny, tmp_path):
+    """Two legs from one drafter on disjoint shards average into one leg that saw both shards' tokens: the
+    tokens-weighted mean of the weights, scored on the legs' held-out answers; a next leg and the campaign's curves
+    continue from it. Drafters that are not legs of one drafter are refused."""
+    from safetensors.torch import load_file
+
+    from bench.campaign import main as campaign_main
+    from models.average import main as average_main
+
+    heldout = write_conversations(tiny, tmp_path / "heldout.jsonl", 2, seed=9)
+    common = ["--target", "tiny", "--arch", "moa", "--tokens-per-step", "256", "--eval-every", "100",
+              "--eval-samples", "1", "--final-eval-samples", "2", "--precision", "fp32", "--heldout-source",
+              str(heldout)]
+    first = write_conversations(tiny, tmp_path / "first.jsonl", 6, seed=5)
+    train_main([*common, "--data", str(tmp_path / "d0"), "--source", str(first), "--out", str(tmp_path / "a"),
+                "--steps", "2"])
+    for shard, seed, steps in (("b1", 6, 2), ("b2", 7, 3)):
+        source = write_conversations(tiny, tmp_path / f"{shard}.jsonl", 6, seed=seed)
+        train_main([*common, "--data", str(tmp_path / f"d{shard}"), "--source", str(source), "--out",
+                    str(tmp_path / shard), "--init", str(tmp_path / "a/drafter"), "--steps", str(steps),
+                    "--seed", str(seed)])
+    record = average_main([str(tmp_path / "b1"), str(tmp_path / "b2/drafter"), "--out", str(tmp_path / "ab"),
+                           "--target", "tiny"])
+    b1, b2 = (json.loads((tmp_path / f"{x}/drafter/training_record.json").read_text()) for x in ("b1", "b2"))
+    assert len(record["legs"]) == 2 and record["legs"][0] == b1["legs"][0]
+    leg = record["legs"][-1]
+    assert leg["average_of"] == [b1["legs"][-1], b2["legs"][-1]] and leg["steps"] == 5
+    assert leg["tokens"] == b1["legs"][-1]["tokens"] + b2["legs"][-1]["tokens"]
+    assert leg["wall_time_s"] == max(b1["legs"][-1]["wall_time_s"], b2["legs"][-1]["wall_time_s"])
+    assert record["tokens_seen"] == sum(x["tokens"] for x in record["legs"])
+    w1, w2 = (b["legs"][-1]["tokens"] for b in (b1, b2))
+    s1, s2, avg = (load_file(str(tmp_path / f"{x}/drafter/model.safetensors")) for x in ("b1", "b2", "ab"))
+    name = next(k for k, v in avg.items() if v.is_floating_point() and not torch.equal(s1[k], s2[k]))
+    assert torch.equal(avg[name], ((s1[name].float() * w1 + s2[name].float() * w2) / (w1 + w2)).to(avg[name].dtype))
+    ev = json.loads((tmp_path / "ab/eval.json").read_text())
+    assert ev["expected_tau"] == record["heldout"]["expected_tau"] and sum(ev["per_answer"]["sync_points"]) > 0
+    assert ev["per_answer"]["sync_points"] == json.loads((tmp_path / "b1/eval.json").read_text())["per_answer"][
+        "sync_points"]  # the same answers as the legs': paired_difference applies
+
+    train_main([*common, "--data", str(tmp_path / "db1"), "--source", str(tmp_path / "b1.jsonl"), "--out",
+                str(tmp_path / "c"), "--init", str(tmp_path / "ab/drafter"), "--steps", "1"])
+    c = json.loads((tmp_path / "c/drafter/training_record.json").read_text())
+    assert c["legs"][:2] == record["legs"] and c["tokens_seen"] == record["tokens_seen"] + c["legs"][-1]["tokens"]
+    campaign_main(["--runs", str(tmp_path / "a"), str(tmp_path / "ab"), "--out", str(tmp_path / "campaign")])
+    curves = json.loads((tmp_path / "campaign/campaign.json").read_text())
+    assert [x["tokens"] for x in curves[1]["legs"]] == [b1["legs"][0]["tokens"], record["tokens_seen"]]
+
+    for drafters, why in (([tmp_path / "a", tmp_path / "b1"], "not start from the same drafter"),
+                          ([tmp_path / "b1"], "at least two"),
+                          ([tmp_path / "b1", tmp_path / "nowhere"], "nowhere")):
+        with pytest.raises(SystemExit, match=why):
+            average_main([*map(str, drafters), "--out", str(tmp_path / "bad"), "--target", "tiny"])
+    assert not (tmp_path / "bad").exists()  # refused before writing anything
 
 
 def test_the_campaign_fit_says_how_many_tokens_reach_a_goal():
