@@ -107,17 +107,21 @@ def average(paths: list[str], out: Path, target_name: str = "default") -> dict:
     metas = [read_drafter_config(d) for d in dirs]
     legs = last_legs(metas)
     state = average_weights(dirs, [leg["tokens"] for leg in legs])
+    heldout_file = Path(legs[0]["data"]["dir"]) / "heldout.jsonl"
+    if not heldout_file.exists():
+        raise CannotAverage(f"the legs' held-out split is not at {heldout_file} (their --data directory)")
     target = load_target(target_name)
+    if metas[0]["target_fingerprint"] != target.weights_fingerprint:
+        raise CannotAverage(f"the drafters were trained for target {metas[0]['target']!r}, not {target.name!r}")
+    cfg = legs[0]["config"]
+    heldout = load_encoded(heldout_file)[: cfg["final_eval_samples"]]
     drafter_out = out / "drafter"
     drafter_out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
     save_file(state, str(drafter_out / WEIGHTS_FILE))
     (drafter_out / CONFIG_FILE).write_text(json.dumps(metas[0], indent=2) + "\n")  # the record follows the score
-    drafter = load_drafter(drafter_out, target)
-    cfg = legs[0]["config"]
-    heldout = load_encoded(Path(legs[0]["data"]["dir"]) / "heldout.jsonl")
-    ev = chain_agreement(drafter, target, heldout[: cfg["final_eval_samples"]], max_len=cfg["max_len"])
+    ev = chain_agreement(load_drafter(drafter_out, target), target, heldout, max_len=cfg["max_len"])
     (out / "eval.json").write_text(json.dumps(ev) + "\n")
     ev = {k: v for k, v in ev.items() if k != "per_answer"}
     record = merged_record(metas[0]["training"], legs, ev)

@@ -244,6 +244,9 @@ def test_legs_side_by_side_average_into_one_leg(tiny, tmp_path):
                           ([tmp_path / "b1", tmp_path / "nowhere"], "nowhere")):
         with pytest.raises(SystemExit, match=why):
             average_main([*map(str, drafters), "--out", str(tmp_path / "bad"), "--target", "tiny"])
+    with pytest.raises(SystemExit, match="trained for target"):
+        average_main([str(tmp_path / "b1"), str(tmp_path / "b2"), "--out", str(tmp_path / "bad"), "--target",
+                      "tiny:1"])
     assert not (tmp_path / "bad").exists()  # refused before writing anything
 
 
