@@ -22,11 +22,12 @@ import math
 from pathlib import Path
 
 from models.defaults import resolve_drafter_path
+from models.drafter import RECORD_FILE
 
 
 def run_curve(run: Path) -> dict:
     """One run directory -> {arch, points: [{tokens, wall_s, expected_tau, depth_agreement}], final}."""
-    record_file = run / "drafter" / "training_record.json"
+    record_file = run / "drafter" / RECORD_FILE
     record = json.loads(record_file.read_text()) if record_file.exists() else None
     cfg_file = run / "train_config.json"  # an average of legs (models.average) has only its record
     cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {"arch": record["arch"]}
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--goal", type=float, default=2.5, help="expected tau the log fit is asked to reach (issue 10: 2.5)")
     args = p.parse_args(argv)
     if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()
-                   and not (Path(r) / "drafter" / "training_record.json").is_file()]:
+                   and not (Path(r) / "drafter" / RECORD_FILE).is_file()]:
         p.error(f"not a training output directory (no train_config.json or drafter/training_record.json): "
                 f"{', '.join(missing)}")
     curves = [run_curve(Path(r)) for r in args.runs]

@@ -24,11 +24,9 @@ import torch
 
 from models.data import load_encoded
 from models.evaluate import chain_agreement
-from models.drafter import CONFIG_FILE, WEIGHTS_FILE
+from models.drafter import CONFIG_FILE, RECORD_FILE, WEIGHTS_FILE
 from models.registry import LOAD_ERRORS, load_drafter, load_target, read_drafter_config
 from models.train import record_of_legs
-
-RECORD_FILE = "training_record.json"
 
 
 class CannotAverage(ValueError):

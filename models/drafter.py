@@ -26,6 +26,7 @@ from models.target import Target, TargetStep, hash_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+RECORD_FILE = "training_record.json"  # the training record, also inside config.json ("training")
 # the target's own weights (the draft head: rows of its LM head; tli: copies of its last layers): never saved
 SHARED_PREFIXES = ("embed.", "lm_head.", "draft_head.", "tli.")
 

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from models.data import build_dataset, iter_source, load_encoded, token_frequencies
-from models.drafter import Drafter, distill_loss, trainable_parameters
+from models.drafter import RECORD_FILE, Drafter, distill_loss, trainable_parameters
 from models.features import FeatureCache
 from models.evaluate import chain_agreement
 from models.sync import depth_weights, last_sync_points, loss_positions, memory_mask, self_attention_mask
@@ -537,7 +537,7 @@ def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: 
         "heldout": ev,
     }
     drafter.save_pretrained(out / "drafter", dtype=torch.float16, extra={"training": record})
-    (out / "drafter" / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "drafter" / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     plot_curves(out / "metrics.jsonl", out / "curves.png")
     print(json.dumps({"arch": cfg.arch, "steps": state.step, "tokens": state.tokens, **ev}), flush=True)
     return record
