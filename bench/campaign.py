@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if missing := [r for r in args.runs if not (Path(r) / "train_config.json").is_file()
                    and not (Path(r) / "drafter" / RECORD_FILE).is_file()]:
-        p.error(f"not a training output directory (no train_config.json or drafter/training_record.json): "
+        p.error(f"not a training output directory (no train_config.json or drafter/{RECORD_FILE}): "
                 f"{', '.join(missing)}")
     curves = [run_curve(Path(r)) for r in args.runs]
     for c in curves:

@@ -92,8 +92,8 @@ def test_tree_auto_weighs_server_and_edge_costs(env, reference):
     with session(env, tree="auto") as s:
         assert "server verify round of 1 token" in s.tree_note and "round trip" in s.tree_note, s.tree_note
         assert s.tree.total_tokens < s._link.welcome["limits"]["max_tree_tokens"]
-        for _ in range(100):  # the server alone as far slower: on a loaded machine the Pacer could hand the replies
-            s.pacer.observe(False, 1, 100.0)  # over (tested below), and no round would run the tuner's tree
+        for _ in range(100):  # the server alone made to look far slower: on a loaded machine the Pacer could hand
+            s.pacer.observe(False, 1, 100.0)  # the replies over (tested below), and no round would run the tree
         predicted = s.predict_s(len(s.encode(PROMPT)), NEW)
         assert s.complete(PROMPT, max_new_tokens=NEW).token_ids == reference
         assert predicted > 0 and s.stats.predicted_s == pytest.approx(predicted, rel=0.3)  # made before it
