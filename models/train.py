@@ -34,6 +34,8 @@ from models.sync import depth_weights, last_sync_points, loss_positions, memory_
 from models.registry import DRAFTERS, LOAD_ERRORS, build_drafter, load_drafter, load_target
 from models.target import Target, TargetStep, autocast
 
+EMA_FILE = "ema.pt"  # the --ema average in OUT/checkpoint
+
 
 @dataclass
 class TrainConfig:
@@ -81,6 +83,7 @@ class TrainConfig:
     precision: str = "auto"  # auto | bf16 | fp32 (autocast of the forwards)
     draft_vocab: int = 0  # reduced draft vocabulary: the N most frequent response tokens (0 = full)
     heldout_source: str = ""  # conversations jsonl used as the held-out split instead of a random one
+    ema: float = 0.0  # decay of a moving average of the weights, saved in place of the last weights (0 = off)
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, bool]:
@@ -153,6 +156,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
         "draft_vocab": "draft over the N most frequent response tokens of the training data (0 = full vocab)",
         "heldout_source": "conversations jsonl held out as the evaluation split (e.g. the target's answers to "
                           "the benchmark prompts); --n-heldout random ones otherwise",
+        "ema": "keep an exponential moving average of the weights, updated after every step with this decay "
+               "(0.995 spans about the last 200 steps), and evaluate and save it as the drafter; the last weights' "
+               "evaluation goes to eval_last.json, for a paired comparison (0 = off: the last weights)",
     }
     for f in fields(TrainConfig):
         kind = {"int | None": int, "float | None": float}.get(str(f.type), None) or type(f.default)
@@ -363,6 +369,7 @@ class Run:
     params: list[nn.Parameter]
     opt: torch.optim.Optimizer
     cache: FeatureCache | None
+    ema: list[torch.Tensor] | None  # the moving average of `params` (--ema), else None
     epoch: tuple[int, list[list[int]]] = (-1, [])  # the batches of the current epoch
 
     def batch(self, micro: int) -> list[int]:
@@ -399,14 +406,18 @@ def setup(cfg: TrainConfig, resume: bool = False) -> tuple[Run, TrainState]:
              else None)
     opt = torch.optim.AdamW(param_groups(drafter, params, cfg), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     prepared, opt = acc.prepare(drafter, opt)
+    ema = [p.detach().clone() for p in params] if cfg.ema else None
     run = Run(cfg, acc, target, data, Path(cfg.out), train_set, heldout, lengths, per_epoch, total_steps, prepared,
-              acc.unwrap_model(prepared), params, opt, cache)
+              acc.unwrap_model(prepared), params, opt, cache, ema)
 
     state = TrainState()
     checkpoint = run.out / "checkpoint"
     if resume and (checkpoint / "state.json").exists():
         acc.load_state(str(checkpoint))
         state = TrainState(**json.loads((checkpoint / "state.json").read_text()))
+        if ema is not None and (checkpoint / EMA_FILE).exists():
+            for e, saved in zip(ema, torch.load(checkpoint / EMA_FILE)):
+                e.copy_(saved)
         acc.print(f"resumed at step {state.step}", flush=True)
     if acc.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -436,6 +447,10 @@ def train_step(run: Run, state: TrainState, restrict_share: float) -> dict | Non
     if not acc.sync_gradients:
         return None
     state.step += 1
+    if run.ema is not None:
+        with torch.no_grad():
+            for average, p in zip(run.ema, run.params):
+                average.lerp_(p, 1.0 - cfg.ema)
     return logs
 
 
@@ -491,27 +506,42 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict | None:
                 log.write({"step": state.step, "eval": chain_agreement(run.raw, run.target,
                                                                        run.heldout[: cfg.eval_samples])})
             if state.step % cfg.save_every == 0:
-                save_checkpoint(run.acc, run.out, state)
+                save_checkpoint(run, state)
             log.flush()
     finally:
         log.close()
-    save_checkpoint(run.acc, run.out, state)
+    save_checkpoint(run, state)
     if not run.acc.is_main_process:
         return None
-    return finish(run.raw, run.target, cfg, state, run.heldout, run.data, run.out)
+    return finish(run, state)
 
 
-def save_checkpoint(acc, out: Path, state: TrainState) -> None:
-    """accelerate's state (each process saves its share) and, from the main process, state.json."""
-    acc.save_state(str(out / "checkpoint"))
-    if acc.is_main_process:
-        (out / "checkpoint" / "state.json").write_text(json.dumps(asdict(state)) + "\n")
-    acc.wait_for_everyone()
+def save_checkpoint(run: Run, state: TrainState) -> None:
+    """accelerate's state (each process saves its share) and, from the main process, state.json and the --ema
+    average."""
+    checkpoint = run.out / "checkpoint"
+    run.acc.save_state(str(checkpoint))
+    if run.acc.is_main_process:
+        (checkpoint / "state.json").write_text(json.dumps(asdict(state)) + "\n")
+        if run.ema is not None:
+            torch.save(run.ema, checkpoint / EMA_FILE)
+    run.acc.wait_for_everyone()
 
 
-def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: Path, out: Path) -> dict:
-    """Final held-out evaluation, fp16 drafter + training record, and the curves plot (the main process's)."""
-    ev = chain_agreement(drafter, target, heldout[: cfg.final_eval_samples])
+def finish(run: Run, state: TrainState) -> dict:
+    """Final held-out evaluation, fp16 drafter + training record, and the curves plot (the main process's). With
+    --ema the last weights are scored first (eval_last.json), then the average takes their place."""
+    cfg, drafter, target, data, out = run.cfg, run.raw, run.target, run.data, run.out
+    heldout = run.heldout[: cfg.final_eval_samples]
+    last = None
+    if run.ema is not None:
+        last = chain_agreement(drafter, target, heldout)
+        (out / "eval_last.json").write_text(json.dumps(last) + "\n")
+        last = {k: v for k, v in last.items() if k != "per_answer"}
+        with torch.no_grad():
+            for p, average in zip(run.params, run.ema):
+                p.copy_(average)
+    ev = chain_agreement(drafter, target, heldout)
     (out / "eval.json").write_text(json.dumps(ev) + "\n")  # per answer too: `paired_difference` of two runs
     ev = {k: v for k, v in ev.items() if k != "per_answer"}
     split = json.loads((data / "split.json").read_text())
@@ -527,6 +557,7 @@ def finish(drafter, target, cfg: TrainConfig, state: TrainState, heldout, data: 
                      "processor": platform.processor(), "threads": torch.get_num_threads()},
         "config": asdict(cfg),
         "heldout": ev,
+        **({"heldout_last_weights": last} if last else {}),
     }
     record = {
         "arch": cfg.arch,

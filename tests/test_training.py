@@ -192,6 +192,40 @@ def test_training_legs_accumulate(tiny, tmp_path, samples):
         campaign_main(["--runs", str(tmp_path / "data"), "--out", str(tmp_path / "campaign")])
 
 
+def test_ema_saves_the_moving_average_and_resumes_it(tiny, tmp_path):
+    """--ema saves the moving average of the weights (one step of decay d from the init: d x init + (1 - d) x the
+    last weights), scores the last weights to eval_last.json, and a resumed run continues the average."""
+    from safetensors.torch import load_file
+
+    source = write_conversations(tiny, tmp_path / "convs.jsonl", 8, seed=5)
+    common = ["--target", "tiny", "--arch", "moa", "--data", str(tmp_path / "data"), "--source", str(source),
+              "--n-heldout", "2", "--tokens-per-step", "256", "--eval-every", "100", "--eval-samples", "1",
+              "--final-eval-samples", "2", "--precision", "fp32", "--schedule", "constant", "--warmup", "1",
+              "--lr", "1e-3"]
+    train_main([*common, "--out", str(tmp_path / "init"), "--steps", "1"])
+    common += ["--init", str(tmp_path / "init/drafter")]
+    train_main([*common, "--out", str(tmp_path / "last"), "--steps", "1"])
+    train_main([*common, "--out", str(tmp_path / "ema"), "--steps", "1", "--ema", "0.25"])
+    init, last, ema = (load_file(str(tmp_path / f"{x}/drafter/model.safetensors")) for x in ("init", "last", "ema"))
+    moved = 0.0
+    for name, value in ema.items():
+        if value.is_floating_point():
+            expected = 0.25 * init[name].float() + 0.75 * last[name].float()
+            torch.testing.assert_close(value.float(), expected, rtol=2e-3, atol=1e-5)
+            moved = max(moved, (value.float() - last[name].float()).abs().max().item())
+    assert moved > 1e-4  # the average is not the last weights
+    scored = (json.loads((tmp_path / f"{x}").read_text()) for x in ("last/eval.json", "ema/eval_last.json"))
+    assert next(scored) == next(scored)  # the same last weights, the same held-out answers
+    record = json.loads((tmp_path / "ema/drafter/training_record.json").read_text())
+    assert record["legs"][-1]["heldout_last_weights"]["expected_tau"] > 0
+
+    train_main([*common, "--out", str(tmp_path / "ema"), "--steps", "3", "--ema", "0.25", "--resume"])
+    train_main([*common, "--out", str(tmp_path / "straight"), "--steps", "3", "--ema", "0.25"])
+    resumed, straight = (load_file(str(tmp_path / f"{x}/drafter/model.safetensors")) for x in ("ema", "straight"))
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
+
+
 def test_legs_side_by_side_average_into_one_leg(tiny, tmp_path):
     """Two legs from one drafter on disjoint shards average into one leg that saw both shards' tokens: the
     tokens-weighted mean of the weights, scored on the legs' held-out answers; a next leg and the campaign's curves
