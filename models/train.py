@@ -167,6 +167,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     args = vars(p.parse_args(argv))
     resume = args.pop("resume")
+    if not 0.0 <= args["ema"] < 1.0:
+        p.error(f"--ema is a decay in [0, 1) (0 = off), got {args['ema']}")
     return TrainConfig(**args), resume
 
 
@@ -406,19 +408,18 @@ def setup(cfg: TrainConfig, resume: bool = False) -> tuple[Run, TrainState]:
              else None)
     opt = torch.optim.AdamW(param_groups(drafter, params, cfg), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     prepared, opt = acc.prepare(drafter, opt)
-    ema = [p.detach().clone() for p in params] if cfg.ema else None
     run = Run(cfg, acc, target, data, Path(cfg.out), train_set, heldout, lengths, per_epoch, total_steps, prepared,
-              acc.unwrap_model(prepared), params, opt, cache, ema)
+              acc.unwrap_model(prepared), params, opt, cache, None)
 
     state = TrainState()
     checkpoint = run.out / "checkpoint"
     if resume and (checkpoint / "state.json").exists():
         acc.load_state(str(checkpoint))
         state = TrainState(**json.loads((checkpoint / "state.json").read_text()))
-        if ema is not None and (checkpoint / EMA_FILE).exists():
-            for e, saved in zip(ema, torch.load(checkpoint / EMA_FILE)):
-                e.copy_(saved)
         acc.print(f"resumed at step {state.step}", flush=True)
+    if cfg.ema:  # the checkpoint's average, else one starting at the weights the run starts from
+        resumed = resume and (checkpoint / EMA_FILE).exists()
+        run.ema = torch.load(checkpoint / EMA_FILE) if resumed else [p.detach().clone() for p in params]
     if acc.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")

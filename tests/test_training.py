@@ -508,6 +508,9 @@ def test_the_training_clis_say_what_is_wrong_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--target", "tiny", "--arch", "medusa", "--out", str(tmp_path / "run")])
     assert "invalid choice: 'medusa'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--target", "tiny", "--arch", "moa", "--ema", "1", "--out", str(tmp_path / "run")])
+    assert "--ema is a decay in [0, 1)" in capsys.readouterr().err
     build_drafter("moa", load_target("tiny")).save_pretrained(tmp_path / "good")
     build_drafter("moa", load_target("tiny:1")).save_pretrained(tmp_path / "other")  # trained for another target
     with pytest.raises(SystemExit, match="error: .*not a directory"):
