@@ -371,7 +371,7 @@ class Run:
     params: list[nn.Parameter]
     opt: torch.optim.Optimizer
     cache: FeatureCache | None
-    ema: list[torch.Tensor] | None  # the moving average of `params` (--ema), else None
+    ema: list[torch.Tensor] | None = None  # the moving average of `params` (--ema)
     epoch: tuple[int, list[list[int]]] = (-1, [])  # the batches of the current epoch
 
     def batch(self, micro: int) -> list[int]:
@@ -409,7 +409,7 @@ def setup(cfg: TrainConfig, resume: bool = False) -> tuple[Run, TrainState]:
     opt = torch.optim.AdamW(param_groups(drafter, params, cfg), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     prepared, opt = acc.prepare(drafter, opt)
     run = Run(cfg, acc, target, data, Path(cfg.out), train_set, heldout, lengths, per_epoch, total_steps, prepared,
-              acc.unwrap_model(prepared), params, opt, cache, None)
+              acc.unwrap_model(prepared), params, opt, cache)
 
     state = TrainState()
     checkpoint = run.out / "checkpoint"
@@ -533,18 +533,19 @@ def finish(run: Run, state: TrainState) -> dict:
     """Final held-out evaluation, fp16 drafter + training record, and the curves plot (the main process's). With
     --ema the last weights are scored first (eval_last.json), then the average takes their place."""
     cfg, drafter, target, data, out = run.cfg, run.raw, run.target, run.data, run.out
-    heldout = run.heldout[: cfg.final_eval_samples]
+
+    def score(name: str) -> dict:
+        ev = chain_agreement(drafter, target, run.heldout[: cfg.final_eval_samples])
+        (out / name).write_text(json.dumps(ev) + "\n")  # per answer too: `paired_difference` of two runs
+        return {k: v for k, v in ev.items() if k != "per_answer"}
+
     last = None
     if run.ema is not None:
-        last = chain_agreement(drafter, target, heldout)
-        (out / "eval_last.json").write_text(json.dumps(last) + "\n")
-        last = {k: v for k, v in last.items() if k != "per_answer"}
+        last = score("eval_last.json")
         with torch.no_grad():
             for p, average in zip(run.params, run.ema):
                 p.copy_(average)
-    ev = chain_agreement(drafter, target, heldout)
-    (out / "eval.json").write_text(json.dumps(ev) + "\n")  # per answer too: `paired_difference` of two runs
-    ev = {k: v for k, v in ev.items() if k != "per_answer"}
+    ev = score("eval.json")
     split = json.loads((data / "split.json").read_text())
     leg = {
         "data": {"dir": str(data), "source": cfg.source, "heldout_source": cfg.heldout_source or None,
